@@ -1,0 +1,58 @@
+# Two commands do all set-up: `make demo` and `make test`. Each bootstraps the
+# virtual environment it needs on first use.
+PYTHON ?= python3
+VENV := .venv
+VENV_NP1 := .venv-np1
+
+# Chainer 7.8.1 is an sdist whose setup.py imports pkg_resources: keep the
+# isolated build on setuptools<81. pip 23 reads PIP_CONSTRAINT for the build
+# environment too; pip >= 26.2 reads PIP_BUILD_CONSTRAINT instead.
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+PYTEST_FLAGS ?= -q
+
+.PHONY: demo test test-numpy2 test-numpy1 clean
+
+PKG_SOURCES := setup.py chainerkfac_numpy_compat.py chainerkfac-numpy-compat.pth \
+	$(shell find chainerkfac -name '*.py')
+
+# One environment per NumPy major version: $(1) is the folder, $(2) the NumPy
+# requirement. The dependencies are installed once; the package itself is
+# re-installed (not in editable mode, which would skip the .pth start-up hook
+# that keeps `import chainer` working on NumPy 2) whenever its sources change.
+define venv_rules
+$(1)/.deps: requirements.txt requirements-dev.txt constraints.txt
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet "setuptools<81" wheel
+	$(1)/bin/pip install --quiet -r requirements-dev.txt "$(2)"
+	touch $$@
+
+$(1)/.installed: $(1)/.deps $(PKG_SOURCES)
+	$(1)/bin/pip install --quiet --no-build-isolation --no-deps --force-reinstall .
+	rm -rf build
+	touch $$@
+endef
+
+# NumPy 2.x: the stack CuPy 14 needs.
+$(eval $(call venv_rules,$(VENV),numpy>=2))
+# NumPy 1.26: the last 1.x release, still common beside older CUDA stacks.
+NUMPY1 := numpy>=1.26,<2
+$(eval $(call venv_rules,$(VENV_NP1),$(NUMPY1)))
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python examples/digits/train_digits.py --out result/demo
+
+test-numpy2: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
+
+test-numpy1: $(VENV_NP1)/.installed
+	$(VENV_NP1)/bin/python -m pytest $(PYTEST_FLAGS) tests
+
+# pytest exits 5 when it collects nothing; make treats that as a failure.
+test: test-numpy2 test-numpy1
+
+clean:
+	rm -rf $(VENV) $(VENV_NP1) result docs/_build

@@ -1,0 +1,14 @@
+"""chainerkfac: distributed K-FAC for Chainer, ChainerMN and CuPy.
+
+``import chainerkfac`` works without CuPy or a GPU. The compatibility layer
+is applied before Chainer is imported (see :mod:`chainerkfac._compat`).
+"""
+from chainerkfac import _compat  # NOQA  (must precede any Chainer import)
+
+from chainerkfac import curvature  # NOQA
+from chainerkfac import linalg  # NOQA
+from chainerkfac import optimizers  # NOQA
+from chainerkfac import schedules  # NOQA
+from chainerkfac.curvature import NonFiniteError  # NOQA
+
+__version__ = '0.1.0'

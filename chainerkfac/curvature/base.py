@@ -1,0 +1,254 @@
+"""The life-cycle every Fisher block shares.
+
+One block per supported link owns all K-FAC state of that link::
+
+    hooks:      forward_statistics(x) ... backward_statistics(ctx, gy)
+                   (only on steps where a factor is due; sums per sample)
+    optimizer:  take_statistics()      -> batch means of the due factors
+                update_factors(step)   -> C <- d C + (1 - d) C_new
+                update_inverse(step)   -> damped inverse / eigenbasis
+                precondition()         -> param.grad <- V
+
+Damping is applied only when inverting (see :mod:`chainerkfac.linalg`);
+the stored statistics never contain it.
+"""
+import collections
+
+import numpy
+from chainer import backend
+from chainer import serializer as serializer_module
+
+from chainerkfac import schedules
+
+
+class NonFiniteError(FloatingPointError):
+    """A gradient or a curvature factor holds NaN or Inf."""
+
+
+#: What the optimizer tells every block at construction.
+#: ``factor_intervals`` maps ``'A'`` (forward statistics) and ``'G'``
+#: (backward statistics) to an interval (see :mod:`chainerkfac.schedules`).
+BlockOptions = collections.namedtuple(
+    'BlockOptions',
+    ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher'])
+
+
+class FisherBlock:
+    """Base class of the Fisher blocks; subclasses define the factors.
+
+    Attributes:
+        link: The link whose parameters the block preconditions.
+        name (str): The link's path in the model (e.g. ``'res2/conv1'``).
+        factors (tuple of str): Names of the statistics the block keeps.
+        inverse (str): ``'cholesky'`` or ``'eigen'``.
+    """
+
+    #: Names of the stored statistics; ``'A'`` comes from the forward pass,
+    #: every other factor from the backward pass.
+    factors = ()
+
+    def __init__(self, link, name, options):
+        self.link = link
+        self.name = name
+        self.inverse = options.inverse
+        self.schedules = {f: schedules.RefreshSchedule(
+            options.factor_intervals['A' if f == 'A' else 'G'])
+            for f in self.factors}
+        self.inverse_schedule = schedules.RefreshSchedule(
+            options.inverse_interval)
+        self.factor = dict.fromkeys(self.factors)
+        self.inverse_state = {}
+        self._sum = dict.fromkeys(self.factors)
+        self._count = dict.fromkeys(self.factors, 0)
+        self._factors_changed = False
+        self._damping_used = None
+
+    @classmethod
+    def unsupported_reason(cls, link):
+        """Why ``link`` cannot get this block, or ``None`` if it can."""
+        return None
+
+    def params(self):
+        """The parameters this block preconditions, in gradient order."""
+        raise NotImplementedError
+
+    # -- statistics (called by the link hooks) ---------------------------
+
+    def wanted(self, step):
+        """The factors whose statistics step ``step`` must collect."""
+        return [f for f in self.factors if self.schedules[f].due(step)]
+
+    def forward_statistics(self, x, wanted):
+        """Accumulates forward statistics of input ``x``.
+
+        Returns a context for :meth:`backward_statistics`, or ``None`` when
+        no backward statistics are wanted.
+        """
+        raise NotImplementedError
+
+    def backward_statistics(self, context, gy):
+        """Accumulates backward statistics of the output gradient ``gy``."""
+        raise NotImplementedError
+
+    def _accumulate(self, factor, value, n_samples):
+        """Adds a sum over ``n_samples`` per-sample terms to ``factor``."""
+        if self._sum[factor] is None:
+            self._sum[factor] = value
+        else:
+            self._sum[factor] += value
+        self._count[factor] += n_samples
+
+    def has_pending_statistics(self):
+        return any(self._count.values())
+
+    def discard_statistics(self):
+        self._sum = dict.fromkeys(self.factors)
+        self._count = dict.fromkeys(self.factors, 0)
+
+    def take_statistics(self, loss_scale=None):
+        """Batch means of the statistics collected since the last step.
+
+        ``loss_scale`` is divided out of the backward factors, which are
+        quadratic in the output gradient.
+        """
+        stats = {}
+        for f in self.factors:
+            if self._count[f]:
+                mean = self._sum[f] / self._count[f]
+                if f != 'A' and loss_scale is not None:
+                    mean /= loss_scale * loss_scale
+                stats[f] = mean
+        self.discard_statistics()
+        return stats
+
+    # -- factors and inverses (called by the optimizer) ------------------
+
+    def update_factors(self, step, stats, decay):
+        """Folds new statistics into the stored factors.
+
+        ``C <- decay * C + (1 - decay) * C_new`` (``decay`` weighs the *old*
+        value; the first statistics are taken as they are). Returns the change
+        rates ``‖C_t − C_{t−Δ}‖_F / ‖C_{t−Δ}‖_F`` of the refreshed factors.
+        """
+        rates = []
+        for f, new in stats.items():
+            xp = backend.get_array_module(new)
+            if not bool(xp.isfinite(new).all()):
+                raise NonFiniteError(
+                    'non-finite value in the {} factor of {} at iteration {}'
+                    .format(f, self.name, step))
+            old = self.factor[f]
+            rate = None
+            if old is None:
+                self.factor[f] = new
+            else:
+                updated = new if decay == 0 else decay * old + (1 - decay) * new
+                old_norm = float(xp.linalg.norm(old))
+                if old_norm > 0:
+                    rate = float(xp.linalg.norm(updated - old)) / old_norm
+                    rates.append(rate)
+                self.factor[f] = updated
+            self.schedules[f].mark(step, rate)
+            self._factors_changed = True
+        return rates
+
+    def update_inverse(self, step, damping):
+        """Recomputes the damped inverse if it is due and something changed.
+
+        Returns whether it was recomputed.
+        """
+        if any(self.factor[f] is None for f in self.factors):
+            return False
+        if not (self._factors_changed or damping != self._damping_used):
+            return False
+        if not self.inverse_schedule.due(step):
+            return False
+        self.inverse_state = self.compute_inverse(damping)
+        self.inverse_schedule.mark(step)
+        self._factors_changed = False
+        self._damping_used = damping
+        return True
+
+    def effective_damping(self, hyperparam):
+        """``ε + η``: the damping plus the curvature η of the paper's L2
+        weight decay (Osawa et al. §4.2), which this block's weights get."""
+        return hyperparam.damping + hyperparam.weight_decay
+
+    def compute_inverse(self, damping):
+        """Returns the state :meth:`preconditioned` needs (a dict of arrays)."""
+        raise NotImplementedError
+
+    # -- gradients ------------------------------------------------------
+
+    def gradient(self, weight_decay=0.0):
+        """The block's gradient in the layout its factors act on.
+
+        ``weight_decay`` η adds ``η w`` for the weights the block decays
+        (Osawa et al. §4.2: the L2 term's gradient, preconditioned with the
+        rest; its curvature η is added to the damping by the optimizer).
+        """
+        raise NotImplementedError
+
+    def preconditioned(self, grad):
+        """``F̂⁻¹ grad`` with the current (damped) inverse."""
+        raise NotImplementedError
+
+    def set_gradient(self, grad):
+        """Writes a gradient in the block's layout back into ``param.grad``."""
+        raise NotImplementedError
+
+    def ready(self):
+        """Whether an inverse exists, i.e. the block can precondition."""
+        return bool(self.inverse_state)
+
+    def precondition(self, weight_decay=0.0):
+        """Replaces the gradients of the block's parameters by ``F̂⁻¹ ∇``."""
+        if self.ready():
+            self.set_gradient(self.preconditioned(
+                self.gradient(weight_decay)))
+
+    # -- description and serialisation -----------------------------------
+
+    def describe(self):
+        """A short description for :meth:`KFAC.describe`."""
+        return type(self).__name__
+
+    def state_bytes(self):
+        """Bytes held by the stored factors and inverses."""
+        arrays = list(self.factor.values()) + list(self.inverse_state.values())
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def _serialize_array(self, serializer, key, value):
+        present = int(serializer(key + '@present', int(value is not None)))
+        if not present:
+            return None
+        if isinstance(serializer, serializer_module.Deserializer):
+            loaded = serializer(key, None)
+            device = backend.get_device_from_array(self.params()[0].array)
+            return device.send(numpy.asarray(loaded))
+        serializer(key, value)
+        return value
+
+    def serialize(self, serializer):
+        """Saves or loads the factors, inverses and refresh state."""
+        for f in self.factors:
+            self.factor[f] = self._serialize_array(
+                serializer, f, self.factor[f])
+            self.schedules[f].serialize(serializer['schedule_' + f])
+        self.inverse_schedule.serialize(serializer['schedule_inverse'])
+        for key in self.inverse_keys():
+            value = self._serialize_array(
+                serializer, 'inverse_' + key, self.inverse_state.get(key))
+            if value is None:
+                self.inverse_state.pop(key, None)
+            else:
+                self.inverse_state[key] = value
+        self._factors_changed = bool(
+            serializer('factors_changed', self._factors_changed))
+        used = serializer('damping_used', -1.0 if self._damping_used is None
+                          else self._damping_used)
+        self._damping_used = None if float(used) < 0 else float(used)
+
+    def inverse_keys(self):
+        """Names of the arrays :meth:`compute_inverse` returns."""
+        raise NotImplementedError

@@ -1,0 +1,118 @@
+"""Fisher block of :class:`chainer.links.BatchNormalization` (paper §5.4).
+
+Per sample ``i`` and channel ``c``, with ``x̂`` the normalised input and
+``ĝ = n gy`` the per-sample output gradient::
+
+    u_{i,c} = Σ_{h,w} ĝ_{i,c,h,w} x̂_{i,c,h,w}     (∂l_i/∂γ_c)
+    v_{i,c} = Σ_{h,w} ĝ_{i,c,h,w}                 (∂l_i/∂β_c)
+
+* ``bn_fisher='diagonal'`` (the paper's approximation, default):
+  ``F = diag((1/n) Σ_i u_i², (1/n) Σ_i v_i²)``, inverted element-wise.
+* ``bn_fisher='full'``: ``F = (1/n) Σ_i [u_i; v_i][u_i; v_i]ᵀ``, a
+  ``2C x 2C`` block.
+
+Damping is ``bn_damping_multiplier x damping`` with no π (the block is not
+factored).
+"""
+from chainer import backend
+
+from chainerkfac import linalg
+from chainerkfac.curvature import base
+
+
+class BatchNormalizationBlock(base.FisherBlock):
+    """Diagonal or full Fisher of a BatchNormalization link's (γ, β)."""
+
+    factors = ('F',)
+
+    def __init__(self, link, name, options):
+        super().__init__(link, name, options)
+        self.bn_fisher = options.bn_fisher
+
+    def params(self):
+        return [p for p in (getattr(self.link, 'gamma', None),
+                            getattr(self.link, 'beta', None)) if p is not None]
+
+    def _reduce_axes(self, x):
+        axis = self.link.axis
+        if axis is None:
+            axis = (0,) + tuple(range(2, x.ndim))
+        if 0 not in axis:
+            raise ValueError('{}: K-FAC needs the batch axis 0 among the '
+                             'BatchNormalization axes, got {}'
+                             .format(self.name, axis))
+        return tuple(axis)
+
+    def forward_statistics(self, x, wanted):
+        if 'F' not in wanted:
+            return None
+        xp = backend.get_array_module(x)
+        axes = self._reduce_axes(x)
+        mean = x.mean(axis=axes, keepdims=True)
+        var = x.var(axis=axes, keepdims=True)
+        # x itself is retained by Chainer for backward anyway; keeping only
+        # the per-channel moments avoids storing x̂.
+        return x, mean, 1 / xp.sqrt(var + self.link.eps), axes
+
+    def backward_statistics(self, context, gy):
+        x, mean, inv_std, axes = context
+        xp = backend.get_array_module(gy)
+        n = gy.shape[0]
+        sample_axes = tuple(a for a in axes if a != 0)
+        columns = []
+        if getattr(self.link, 'gamma', None) is not None:
+            x_hat = (x - mean) * inv_std
+            columns.append((gy * x_hat).sum(axis=sample_axes).reshape(n, -1))
+        if getattr(self.link, 'beta', None) is not None:
+            columns.append(gy.sum(axis=sample_axes).reshape(n, -1))
+        Z = xp.concatenate(columns, axis=1) * n
+        if self.bn_fisher == 'diagonal':
+            self._accumulate('F', (Z * Z).sum(axis=0), n)
+        else:
+            self._accumulate('F', Z.T @ Z, n)
+
+    def effective_damping(self, hyperparam):
+        """``bn_damping_multiplier x ε`` (γ and β are not weight-decayed)."""
+        return hyperparam.bn_damping_multiplier * hyperparam.damping
+
+    def compute_inverse(self, damping):
+        F = self.factor['F']
+        if self.bn_fisher == 'diagonal':
+            return {'diag_inv': linalg.diagonal_inverse(F, damping)}
+        if self.inverse == 'eigen':
+            w, Q = linalg.symmetric_eigh(F)
+            return {'eigvals': w, 'eigvecs': Q}
+        return {'inv': linalg.damped_inverse(F, damping)}
+
+    def inverse_keys(self):
+        if self.bn_fisher == 'diagonal':
+            return ('diag_inv',)
+        if self.inverse == 'eigen':
+            return ('eigvals', 'eigvecs')
+        return ('inv',)
+
+    def gradient(self, weight_decay=0.0):
+        # γ and β are not decayed: their natural value is not zero.
+        xp = backend.get_array_module(self.params()[0].grad)
+        return xp.concatenate([p.grad.ravel() for p in self.params()])
+
+    def preconditioned(self, grad):
+        s = self.inverse_state
+        if self.bn_fisher == 'diagonal':
+            return grad * s['diag_inv']
+        if self.inverse == 'eigen':
+            return linalg.eigen_precondition_single(
+                grad, (s['eigvals'], s['eigvecs']), self._damping_used)
+        return s['inv'] @ grad
+
+    def set_gradient(self, grad):
+        offset = 0
+        for p in self.params():
+            p.grad[...] = grad[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+
+    def describe(self):
+        size = self.params()[0].size * len(self.params())
+        if self.bn_fisher == 'diagonal':
+            return 'BN diagonal Fisher ({})'.format(size)
+        return 'BN full Fisher {0}x{0}'.format(size)

@@ -1,0 +1,107 @@
+"""Kronecker-factored block ``F ≈ A ⊗ G`` for layers ``s = W̄ ā``.
+
+Conventions (NOTES.md §1; KFC, Grosse & Martens 2016, for convolutions): each
+sample contributes rows ``ā_{i,t}`` (input patches with a homogeneous 1 when
+the layer has a bias) and ``ĝ_{i,t} = n ∂L/∂s_{i,t}`` (the per-sample output
+gradient of a batch-mean loss) for ``T`` positions ``t``::
+
+    A = (1/n) Σ_i Σ_t ā_{i,t} ā_{i,t}ᵀ        (sum over positions)
+    G = (1/(nT)) Σ_i Σ_t ĝ_{i,t} ĝ_{i,t}ᵀ     (mean over positions)
+
+A Linear layer has ``T = 1``. Subclasses only turn inputs and output
+gradients into rows.
+"""
+from chainer import backend
+
+from chainerkfac import linalg
+from chainerkfac.curvature import base
+
+
+class KroneckerBlock(base.FisherBlock):
+    """A ``(A, G)`` block; ``∇W̄ = [W | b]`` as an ``(out, in)`` matrix."""
+
+    factors = ('A', 'G')
+
+    def __init__(self, link, name, options):
+        super().__init__(link, name, options)
+        self.has_bias = getattr(link, 'b', None) is not None
+
+    def params(self):
+        return [self.link.W] + ([self.link.b] if self.has_bias else [])
+
+    def input_rows(self, x):
+        """Returns ``(P, n)``: input rows ``(n T, d)`` and the batch size."""
+        raise NotImplementedError
+
+    def output_rows(self, gy):
+        """Returns ``(R, n, T)``: output-gradient rows ``(n T, out)``."""
+        raise NotImplementedError
+
+    def forward_statistics(self, x, wanted):
+        if 'A' in wanted:
+            P, n = self.input_rows(x)
+            xp = backend.get_array_module(P)
+            ww = P.T @ P
+            if self.has_bias:
+                d = ww.shape[0]
+                A = xp.empty((d + 1, d + 1), dtype=ww.dtype)
+                A[:d, :d] = ww
+                A[:d, d] = A[d, :d] = P.sum(axis=0)
+                A[d, d] = P.shape[0]
+            else:
+                A = ww
+            self._accumulate('A', A, n)
+        return True if 'G' in wanted else None
+
+    def backward_statistics(self, context, gy):
+        R, n, T = self.output_rows(gy)
+        # ĝ = n gy per sample; the mean over positions divides by T.
+        self._accumulate('G', (R.T @ R) * (n * n / T), n)
+
+    def compute_inverse(self, damping):
+        A, G = self.factor['A'], self.factor['G']
+        if self.inverse == 'eigen':
+            w_A, Q_A = linalg.symmetric_eigh(A)
+            w_G, Q_G = linalg.symmetric_eigh(G)
+            return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
+                    'G_eigvals': w_G, 'G_eigvecs': Q_G}
+        damping_A, damping_G = linalg.factored_damping(A, G, damping)
+        return {'A_inv': linalg.damped_inverse(A, damping_A),
+                'G_inv': linalg.damped_inverse(G, damping_G)}
+
+    def inverse_keys(self):
+        if self.inverse == 'eigen':
+            return ('A_eigvals', 'A_eigvecs', 'G_eigvals', 'G_eigvecs')
+        return ('A_inv', 'G_inv')
+
+    def gradient(self, weight_decay=0.0):
+        W = self.link.W
+        grad = W.grad.reshape(W.shape[0], -1)
+        if weight_decay:
+            grad = grad + weight_decay * W.array.reshape(grad.shape)
+        if not self.has_bias:
+            return grad
+        xp = backend.get_array_module(grad)
+        return xp.concatenate([grad, self.link.b.grad[:, None]], axis=1)
+
+    def preconditioned(self, grad):
+        s = self.inverse_state
+        if self.inverse == 'eigen':
+            return linalg.eigen_precondition(
+                grad, (s['A_eigvals'], s['A_eigvecs']),
+                (s['G_eigvals'], s['G_eigvecs']), self._damping_used)
+        return linalg.kronecker_precondition(grad, s['A_inv'], s['G_inv'])
+
+    def set_gradient(self, grad):
+        W = self.link.W
+        d = W.size // W.shape[0]
+        W.grad[...] = grad[:, :d].reshape(W.shape)
+        if self.has_bias:
+            self.link.b.grad[...] = grad[:, d]
+
+    def describe(self):
+        W = self.link.W
+        if W.array is None:
+            return 'K-FAC (A, G), shape set at first forward'
+        d_in = W.size // W.shape[0] + int(self.has_bias)
+        return 'K-FAC A {0}x{0}, G {1}x{1}'.format(d_in, W.shape[0])

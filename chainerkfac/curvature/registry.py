@@ -1,0 +1,35 @@
+"""Which Fisher block serves which link class.
+
+Adding support for a link type means one block class and one
+:func:`register` call::
+
+    chainerkfac.curvature.register(MyLink, MyLinkBlock)
+
+Lookup follows the link's class hierarchy, so subclasses of a registered
+link are served by its block (unless registered themselves).
+"""
+import chainer.links as L
+
+from chainerkfac.curvature import batch_normalization
+from chainerkfac.curvature import convolution_2d
+from chainerkfac.curvature import linear
+
+_blocks = {}
+
+
+def register(link_class, block_class):
+    """Serves links of ``link_class`` (and its subclasses) by ``block_class``."""
+    _blocks[link_class] = block_class
+
+
+def lookup(link):
+    """The block class for ``link``, or ``None`` if no block is registered."""
+    for cls in type(link).__mro__:
+        if cls in _blocks:
+            return _blocks[cls]
+    return None
+
+
+register(L.Linear, linear.LinearBlock)
+register(L.Convolution2D, convolution_2d.Convolution2DBlock)
+register(L.BatchNormalization, batch_normalization.BatchNormalizationBlock)

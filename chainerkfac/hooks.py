@@ -1,0 +1,66 @@
+"""Link hooks that feed activations and output gradients to Fisher blocks.
+
+On a training forward pass of a supported link, :class:`StatisticsHook` asks
+the link's block which factors the coming optimizer step needs. If none, it
+returns at once: stale steps do no curvature work. Otherwise the block takes
+its forward statistics from the input, and a :class:`OutputGradientHook` is
+attached to the output's creator node to catch ``∂L/∂y`` during backward.
+
+Evaluation passes (``chainer.config.train`` false) and passes without
+backprop never touch the statistics.
+"""
+import chainer
+
+
+class OutputGradientHook(chainer.FunctionHook):
+    """Hands the gradient of one function node's output to a block."""
+
+    name = 'chainerkfac_output_gradient'
+
+    def __init__(self, block, context, output_index):
+        self.block = block
+        self.context = context
+        self.output_index = output_index
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        gy = out_grad[self.output_index]
+        if gy is not None:
+            self.block.backward_statistics(self.context, gy)
+
+
+class StatisticsHook(chainer.LinkHook):
+    """Collects K-FAC statistics of the links it is registered on.
+
+    Args:
+        blocks (dict): ``id(link) -> FisherBlock``.
+        next_step (callable): Returns the optimizer step the statistics of a
+            forward pass now will be used for (``optimizer.t + 1``).
+    """
+
+    name = 'chainerkfac_statistics'
+
+    def __init__(self, blocks, next_step):
+        self.blocks = blocks
+        self.next_step = next_step
+
+    def forward_postprocess(self, args):
+        config = chainer.config
+        if not (config.train and config.enable_backprop):
+            return
+        block = self.blocks.get(id(args.link))
+        if block is None:
+            return
+        wanted = block.wanted(self.next_step())
+        if not wanted:
+            return
+        x = args.args[0] if args.args else args.kwargs['x']
+        context = block.forward_statistics(
+            x.array if isinstance(x, chainer.Variable) else x, wanted)
+        if context is None:
+            return
+        out = args.out
+        node = out.creator_node
+        if node is None:
+            return
+        index = [ref() for ref in node.outputs].index(out.node)
+        node.add_hook(OutputGradientHook(block, context, index))

@@ -1,0 +1,171 @@
+"""Damped inverses and preconditioning: the damping formulas live here only.
+
+Notation (Martens & Grosse 2015 §6.3; Osawa et al. CVPR 2019 §2): a layer's
+Fisher block is approximated by ``A ⊗ G``; ``∇W̄`` is its gradient as an
+``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
+
+* Factored Tikhonov damping (``inverse='cholesky'``)::
+
+      π   = sqrt( (tr A / dim A) / (tr G / dim G) )
+      A_d = A + π √ε I,    G_d = G + (√ε / π) I,    V = G_d⁻¹ ∇W̄ A_d⁻¹
+
+* Exact damping in the eigenbasis (``inverse='eigen'``, KAISA)::
+
+      A = Q_A diag(λ_A) Q_Aᵀ,  G = Q_G diag(λ_G) Q_Gᵀ
+      V = Q_G [ (Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + ε) ] Q_Aᵀ
+
+* A single damped matrix (BatchNorm blocks): ``(F + ε I)⁻¹``, element-wise
+  for a diagonal ``F``.
+
+Everything takes and returns arrays of the caller's array module (NumPy or
+CuPy); the LAPACK fast path for CPU inverses is small and guarded.
+"""
+import math
+
+import numpy
+from chainer import backend
+
+# A damped factor that still fails Cholesky (round-off, damping 0) is retried
+# with jitter of _JITTER_START * mean(diag) growing tenfold per try, then
+# inverted through a clipped eigendecomposition.
+_JITTER_START = 1e-7
+_JITTER_TRIES = 6
+
+
+def factored_damping(A, G, damping):
+    """Returns ``(π √ε, √ε / π)``, the damping added to ``A`` and ``G``.
+
+    π balances the two factors by their mean eigenvalue. When a trace is zero
+    or not finite (e.g. all-zero activations) π falls back to 1, so the
+    damping still makes both factors positive definite.
+    """
+    xp = backend.get_array_module(A)
+    mean_a = float(xp.trace(A)) / A.shape[0]
+    mean_g = float(xp.trace(G)) / G.shape[0]
+    pi = 1.0
+    if mean_a > 0 and mean_g > 0 and math.isfinite(mean_a / mean_g):
+        pi = math.sqrt(mean_a / mean_g)
+    root = math.sqrt(damping)
+    return pi * root, root / pi
+
+
+def add_diagonal(M, value):
+    """Returns ``M + value I`` without touching ``M``."""
+    xp = backend.get_array_module(M)
+    out = M.copy()
+    idx = xp.arange(M.shape[0])
+    out[idx, idx] += value
+    return out
+
+
+def _cholesky_inverse(M):
+    """Inverse of a symmetric positive-definite ``M`` via Cholesky.
+
+    Raises ``numpy.linalg.LinAlgError`` when ``M`` is not positive definite.
+    """
+    xp = backend.get_array_module(M)
+    if xp is numpy:
+        # LAPACK potrf + potri is about 3x faster than numpy.linalg.inv on
+        # the factors of ResNet-50 (NOTES.md §8).
+        from scipy.linalg import lapack
+        potrf, potri = lapack.get_lapack_funcs(('potrf', 'potri'), (M,))
+        c, info = potrf(M, lower=False, clean=False)
+        if info != 0:
+            raise numpy.linalg.LinAlgError('not positive definite')
+        inv, info = potri(c, lower=False)
+        if info != 0:
+            raise numpy.linalg.LinAlgError('potri failed')
+        inv = numpy.triu(inv)
+        return inv + numpy.triu(inv, 1).T
+    import cupyx.scipy.linalg
+    L = xp.linalg.cholesky(M)
+    # cuSOLVER reports failure through NaNs when it may not synchronise.
+    if not bool(xp.isfinite(L).all()):
+        raise numpy.linalg.LinAlgError('not positive definite')
+    eye = xp.eye(M.shape[0], dtype=M.dtype)
+    L_inv = cupyx.scipy.linalg.solve_triangular(L, eye, lower=True)
+    return L_inv.T @ L_inv
+
+
+def symmetric_eigh(M):
+    """Eigendecomposition ``M = Q diag(λ) Qᵀ`` with λ clipped at zero.
+
+    A factor is positive semi-definite in exact arithmetic; round-off can make
+    its smallest eigenvalues slightly negative, which damping must not see.
+    """
+    xp = backend.get_array_module(M)
+    w, Q = xp.linalg.eigh(M)
+    return xp.maximum(w, 0), Q
+
+
+def damped_inverse(M, damping):
+    """Returns ``(M + damping I)⁻¹`` for a symmetric PSD ``M``; never NaN.
+
+    Cholesky first; if the damped matrix is not numerically positive definite
+    it is retried with growing jitter, and finally inverted through its
+    eigendecomposition with eigenvalues floored at a positive value.
+    """
+    xp = backend.get_array_module(M)
+    if not bool(xp.isfinite(M).all()):
+        raise FloatingPointError('cannot invert a factor with NaN or Inf')
+    damped = add_diagonal(M, damping)
+    scale = float(xp.abs(xp.diagonal(damped)).mean()) or 1.0
+    jitter = 0.0
+    for k in range(_JITTER_TRIES):
+        try:
+            inv = _cholesky_inverse(
+                add_diagonal(damped, jitter) if jitter else damped)
+        except numpy.linalg.LinAlgError:
+            jitter = scale * _JITTER_START * 10 ** k
+            continue
+        if bool(xp.isfinite(inv).all()):
+            return inv
+        jitter = scale * _JITTER_START * 10 ** k
+    w, Q = symmetric_eigh(M)
+    floor = max(damping, scale * _JITTER_START * 10 ** _JITTER_TRIES)
+    return (Q / (w + floor)) @ Q.T
+
+
+def kronecker_precondition(grad, A_inv, G_inv):
+    """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` for the inverses of the damped factors."""
+    return G_inv @ grad @ A_inv
+
+
+def eigen_precondition(grad, eig_A, eig_G, damping):
+    """``V = Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + ε)] Q_Aᵀ`` (exact damping)."""
+    w_A, Q_A = eig_A
+    w_G, Q_G = eig_G
+    inner = Q_G.T @ grad @ Q_A
+    inner /= w_G[:, None] * w_A[None, :] + damping
+    return Q_G @ inner @ Q_A.T
+
+
+def eigen_precondition_single(grad, eig, damping):
+    """``Q diag(1 / (λ + ε)) Qᵀ g`` for a single (BatchNorm) block."""
+    w, Q = eig
+    return Q @ ((Q.T @ grad) / (w + damping))
+
+
+def diagonal_inverse(diag, damping):
+    """``1 / (f + ε)``: a damped diagonal Fisher, inverted element-wise."""
+    return 1 / (diag + damping)
+
+
+def pack_symmetric(M):
+    """Upper triangle of a symmetric matrix as a flat array (d(d+1)/2).
+
+    Symmetric factors travel in this form (Osawa et al. §3.4): half the bytes.
+    """
+    xp = backend.get_array_module(M)
+    rows, cols = xp.triu_indices(M.shape[0])
+    return M[rows, cols]
+
+
+def unpack_symmetric(packed, dim):
+    """Inverse of :func:`pack_symmetric`."""
+    xp = backend.get_array_module(packed)
+    rows, cols = xp.triu_indices(dim)
+    M = xp.empty((dim, dim), dtype=packed.dtype)
+    M[rows, cols] = packed
+    M[cols, rows] = packed
+    return M

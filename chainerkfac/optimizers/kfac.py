@@ -1,0 +1,341 @@
+"""K-FAC: the optimizer that replaces ``chainer.optimizers.MomentumSGD``.
+
+One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
+
+    forward/backward        link hooks collect A and G on refresh steps only
+    optimizer hooks 'pre'   e.g. WeightDecay, GradientClipping
+    curvature               C <- d C + (1 - d) C_new; damped inverses when due
+    precondition            ∇ <- F̂⁻¹ ∇ for every supported link
+    update rule             v <- momentum v - lr ∇;  w <- w + v
+    optimizer hooks 'post'
+
+Parameters of links without a Fisher block keep their raw gradient and so
+follow plain momentum SGD.
+"""
+import logging
+import numbers
+
+import chainer
+from chainer import optimizer
+from chainer.optimizers import momentum_sgd
+
+from chainerkfac import hooks
+from chainerkfac import schedules
+from chainerkfac.curvature import base
+from chainerkfac.curvature import registry
+
+logger = logging.getLogger(__name__)
+
+_default_hyperparam = optimizer.Hyperparameter()
+_default_hyperparam.lr = 0.01
+_default_hyperparam.momentum = 0.9
+_default_hyperparam.damping = 1e-3
+_default_hyperparam.cov_ema_decay = 0.95
+_default_hyperparam.weight_decay = 0.0
+_default_hyperparam.bn_damping_multiplier = 1.0
+
+_INVERSES = ('cholesky', 'eigen')
+_BN_FISHERS = ('diagonal', 'full')
+_NONFINITE = ('raise', 'skip')
+
+
+class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
+    """``v <- momentum v - lr ∇;  w <- w + v`` on the preconditioned gradient.
+
+    The arithmetic is MomentumSGD's, operation for operation, so that a link
+    without curvature is updated exactly as MomentumSGD would update it.
+    """
+
+
+def _check_hyperparameters(hp):
+    checks = (
+        ('lr', hp.lr >= 0, 'must be >= 0'),
+        ('momentum', 0 <= hp.momentum < 1, 'must be in [0, 1)'),
+        ('damping', hp.damping > 0, 'must be > 0'),
+        ('cov_ema_decay', 0 <= hp.cov_ema_decay < 1, 'must be in [0, 1)'),
+        ('weight_decay', hp.weight_decay >= 0, 'must be >= 0'),
+        ('bn_damping_multiplier', hp.bn_damping_multiplier > 0,
+         'must be > 0'),
+    )
+    for name, ok, rule in checks:
+        value = getattr(hp, name)
+        if not isinstance(value, numbers.Real) or not ok:
+            raise ValueError('KFAC {} {}, got {!r}'.format(name, rule, value))
+
+
+def _choice(value, choices, what):
+    if value not in choices:
+        raise ValueError('KFAC {} must be one of {}, got {!r}'
+                         .format(what, ', '.join(map(repr, choices)), value))
+    return value
+
+
+class KFAC(optimizer.GradientMethod):
+    """K-FAC with momentum (Martens & Grosse 2015; Osawa et al. CVPR 2019).
+
+    Swap it in for MomentumSGD; :meth:`setup` finds every Linear,
+    Convolution2D and BatchNormalization link (and links registered with
+    :func:`chainerkfac.curvature.register`) and preconditions their
+    gradients; all other parameters get momentum SGD.
+
+    Args:
+        lr (float): Learning rate η: ``v <- momentum v - η F̂⁻¹∇``.
+        momentum (float): Momentum coefficient; 0 gives ``w <- w - η F̂⁻¹∇``.
+        damping (float): Tikhonov damping ε (see :mod:`chainerkfac.linalg`
+            for how each inverse applies it).
+        cov_ema_decay (float): Weight of the *old* statistics in
+            ``C <- d C + (1 - d) C_new``; 0 keeps fresh statistics only.
+        inverse (str): ``'cholesky'`` (explicit inverses, factored damping
+            with π) or ``'eigen'`` (eigendecompositions, exact damping).
+        bn_fisher (str): ``'diagonal'`` (paper §5.4) or ``'full'``
+            (``2C x 2C``) Fisher for BatchNormalization.
+        factor_interval: Steps between refreshes of the statistics: an int,
+            a callable ``f(iteration) -> int``, a
+            :class:`~chainerkfac.schedules.Adaptive` policy, or a dict
+            ``{'A': ..., 'G': ...}`` giving forward (A) and backward (G, and
+            BatchNorm) statistics their own interval.
+        inverse_interval: Steps between recomputations of the inverses (an
+            int or a callable); an inverse is only recomputed when its
+            factors or the damping changed since.
+        acc_iters (int): ``update(lossfun, *batch)`` splits the batch into
+            this many micro-batches and accumulates gradients and statistics
+            over them, emulating a batch ``acc_iters`` times larger in the
+            memory of one.
+        weight_decay (float): L2 coefficient in the paper's form (§4.2):
+            adds ``weight_decay * W`` to the gradient of every Linear and
+            Convolution2D weight before preconditioning and ``weight_decay``
+            to those layers' damping. Biases and BatchNorm are not decayed.
+        bn_damping_multiplier (float): BatchNorm blocks are damped with
+            ``bn_damping_multiplier * damping``.
+        nonfinite (str): On a NaN or Inf in a gradient or factor, ``'raise'``
+            a :class:`~chainerkfac.curvature.NonFiniteError` naming it, or
+            ``'skip'`` the step (reported as ``kfac/skipped_steps``).
+        precondition (bool): ``False`` turns K-FAC off entirely (no hooks, no
+            statistics): the optimizer is then exactly MomentumSGD.
+    """
+
+    def __init__(self, lr=_default_hyperparam.lr,
+                 momentum=_default_hyperparam.momentum,
+                 damping=_default_hyperparam.damping,
+                 cov_ema_decay=_default_hyperparam.cov_ema_decay,
+                 inverse='cholesky', bn_fisher='diagonal',
+                 factor_interval=1, inverse_interval=1, acc_iters=1,
+                 weight_decay=_default_hyperparam.weight_decay,
+                 bn_damping_multiplier=(
+                     _default_hyperparam.bn_damping_multiplier),
+                 nonfinite='raise', precondition=True):
+        super().__init__()
+        hp = self.hyperparam
+        hp.lr = lr
+        hp.momentum = momentum
+        hp.damping = damping
+        hp.cov_ema_decay = cov_ema_decay
+        hp.weight_decay = weight_decay
+        hp.bn_damping_multiplier = bn_damping_multiplier
+        _check_hyperparameters(hp)
+        self.inverse = _choice(inverse, _INVERSES, 'inverse')
+        self.bn_fisher = _choice(bn_fisher, _BN_FISHERS, 'bn_fisher')
+        self.nonfinite = _choice(nonfinite, _NONFINITE, 'nonfinite')
+        if isinstance(factor_interval, dict):
+            unknown = set(factor_interval) - {'A', 'G'}
+            if unknown or len(factor_interval) != 2:
+                raise ValueError("KFAC factor_interval as a dict needs "
+                                 "exactly the keys 'A' and 'G', got {}"
+                                 .format(sorted(factor_interval)))
+            self.factor_interval = {
+                k: schedules.check_interval(v, 'factor_interval[{!r}]'
+                                            .format(k))
+                for k, v in factor_interval.items()}
+        else:
+            interval = schedules.check_interval(
+                factor_interval, 'factor_interval')
+            self.factor_interval = {'A': interval, 'G': interval}
+        self.inverse_interval = schedules.check_interval(
+            inverse_interval, 'inverse_interval')
+        if isinstance(self.inverse_interval, schedules.Adaptive):
+            raise TypeError('KFAC inverse_interval cannot be Adaptive: '
+                            'change rates are measured on factors')
+        if (not isinstance(acc_iters, numbers.Integral)
+                or isinstance(acc_iters, bool) or acc_iters < 1):
+            raise ValueError('KFAC acc_iters must be an int >= 1, got {!r}'
+                             .format(acc_iters))
+        self.acc_iters = acc_iters
+        self.use_kfac = bool(precondition)
+        self.blocks = []
+        self._hook = None
+
+    lr = optimizer.HyperparameterProxy('lr')
+    momentum = optimizer.HyperparameterProxy('momentum')
+    damping = optimizer.HyperparameterProxy('damping')
+    cov_ema_decay = optimizer.HyperparameterProxy('cov_ema_decay')
+    weight_decay = optimizer.HyperparameterProxy('weight_decay')
+    bn_damping_multiplier = optimizer.HyperparameterProxy(
+        'bn_damping_multiplier')
+
+    def create_update_rule(self):
+        return KFACUpdateRule(self.hyperparam)
+
+    # -- set-up -------------------------------------------------------------
+
+    def setup(self, link):
+        """Sets up momentum SGD for every parameter and K-FAC where it can."""
+        super().setup(link)
+        self.blocks = []
+        self._unsupported = []
+        if not self.use_kfac:
+            return self
+        options = base.BlockOptions(
+            factor_intervals=self.factor_interval,
+            inverse_interval=self.inverse_interval,
+            inverse=self.inverse, bn_fisher=self.bn_fisher)
+        by_link = {}
+        self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1)
+        for path, child in link.namedlinks(skipself=False):
+            name = path.strip('/') or '(root)'
+            block_class = registry.lookup(child)
+            if block_class is None:
+                continue
+            reason = block_class.unsupported_reason(child)
+            if reason is not None:
+                self._unsupported.append((name, reason))
+                continue
+            block = block_class(child, name, options)
+            self.blocks.append(block)
+            by_link[id(child)] = block
+            if self._hook.name in child.local_link_hooks:
+                child.delete_hook(self._hook.name)
+            child.add_hook(self._hook)
+        logger.info('%s', self.describe())
+        return self
+
+    def describe(self):
+        """A table of which links get K-FAC and which get momentum SGD."""
+        self._check_set_up()
+        covered = {id(p) for b in self.blocks for p in b.params()}
+        sgd = [name for name, p in self.target.namedparams(include_uninit=True)
+               if id(p) not in covered]
+        rows = [(b.name, b.describe()) for b in self.blocks]
+        rows += [(name, 'momentum SGD: {}'.format(reason))
+                 for name, reason in self._unsupported]
+        width = max([len(r[0]) for r in rows] + [4])
+        lines = ['KFAC ({} inverse, {} BatchNorm Fisher): {} blocks'.format(
+            self.inverse, self.bn_fisher, len(self.blocks))]
+        lines += ['  {:<{}}  {}'.format(n, width, d) for n, d in rows]
+        if sgd:
+            lines.append('  momentum SGD parameters: {}'.format(
+                ', '.join(sgd)))
+        return '\n'.join(lines)
+
+    # -- the step -----------------------------------------------------------
+
+    def update(self, lossfun=None, *args, **kwds):
+        """Computes gradients (if ``lossfun`` is given) and takes one step.
+
+        With ``lossfun``, the batch in ``args``/``kwds`` is split into
+        ``acc_iters`` micro-batches along axis 0; their gradients are
+        averaged and their statistics pooled. Without it, the gradients (and
+        any statistics collected since the last step) are used as they are.
+        """
+        if lossfun is not None:
+            self.target.cleargrads()
+            for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
+                loss = lossfun(*chunk_args, **chunk_kwds)
+                loss.backward(loss_scale=self._loss_scale)
+                del loss
+            if self.acc_iters > 1:
+                for param in self.target.params():
+                    if param.grad is not None:
+                        param.grad /= self.acc_iters
+        self.reallocate_cleared_grads()
+        self.check_nan_in_grads()
+        self.call_hooks('pre')
+        self.t += 1
+        if self.is_safe_to_update() and self._check_finite_gradients():
+            self.update_curvature()
+            for param in self.target.params():
+                param.update()
+        else:
+            for block in self.blocks:
+                block.discard_statistics()
+        self.reallocate_cleared_grads()
+        self.call_hooks('post')
+        self.update_loss_scale()
+
+    def _micro_batches(self, args, kwds):
+        k = self.acc_iters
+        if k == 1:
+            return [(args, kwds)]
+        sizes = {len(a) for a in list(args) + list(kwds.values())
+                 if hasattr(a, 'shape') and a.ndim > 0}
+        if len(sizes) != 1 or next(iter(sizes)) % k:
+            raise ValueError('KFAC acc_iters={} needs batch arrays of one '
+                             'length divisible by it, got lengths {}'
+                             .format(k, sorted(sizes)))
+        m = next(iter(sizes)) // k
+
+        def part(a, i):
+            if hasattr(a, 'shape') and a.ndim > 0:
+                return a[i * m:(i + 1) * m]
+            return a
+        return [(tuple(part(a, i) for a in args),
+                 {key: part(a, i) for key, a in kwds.items()})
+                for i in range(k)]
+
+    def _check_finite_gradients(self):
+        """False (skip) or an error when a gradient is NaN or Inf."""
+        for name, param in self.target.namedparams():
+            xp = param.device.xp
+            if not bool(xp.isfinite(param.grad).all()):
+                if self.nonfinite == 'raise':
+                    raise base.NonFiniteError(
+                        'non-finite gradient in {} at iteration {}; pass '
+                        "nonfinite='skip' to KFAC to skip such steps"
+                        .format(name, self.t))
+                logger.warning('skipping iteration %d: non-finite gradient '
+                               'in %s', self.t, name)
+                chainer.report({'kfac/skipped_steps': 1})
+                return False
+        return True
+
+    def update_curvature(self):
+        """Folds statistics, refreshes due inverses, preconditions gradients.
+
+        Reports ``kfac/damping``, ``kfac/factor_refreshes`` (factors
+        refreshed this step), ``kfac/inverse_refreshes`` and, on steps that
+        refreshed a factor, ``kfac/change_rate`` (mean over those factors).
+        """
+        step = self.t
+        hp = self.hyperparam
+        factor_refreshes = inverse_refreshes = 0
+        rates = []
+        for block in self.blocks:
+            if block.has_pending_statistics():
+                stats = block.take_statistics(block.params()[0]._loss_scale)
+                try:
+                    rates += block.update_factors(step, stats,
+                                                  hp.cov_ema_decay)
+                except base.NonFiniteError:
+                    if self.nonfinite == 'raise':
+                        raise
+                    logger.warning('iteration %d: dropped non-finite '
+                                   'statistics of %s', step, block.name)
+                    continue
+                factor_refreshes += len(stats)
+            if block.update_inverse(step, block.effective_damping(hp)):
+                inverse_refreshes += 1
+            block.precondition(hp.weight_decay)
+        report = {'kfac/damping': hp.damping,
+                  'kfac/factor_refreshes': factor_refreshes,
+                  'kfac/inverse_refreshes': inverse_refreshes,
+                  'kfac/skipped_steps': 0}
+        if rates:
+            report['kfac/change_rate'] = sum(rates) / len(rates)
+        chainer.report(report)
+
+    # -- state --------------------------------------------------------------
+
+    def serialize(self, serializer):
+        """Saves or loads momentum, step counters and all K-FAC state."""
+        super().serialize(serializer)
+        for block in self.blocks:
+            block.serialize(serializer['kfac'][block.name])

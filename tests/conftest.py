@@ -1,0 +1,2 @@
+# chainerkfac applies the NumPy-2 shims before anything imports Chainer.
+import chainerkfac  # NOQA

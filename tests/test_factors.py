@@ -1,0 +1,137 @@
+"""Factors collected by the hooks equal brute-force per-sample factors."""
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+import pytest
+
+import chainerkfac
+from tests import brute_force
+
+
+def per_sample_loss(y, r):
+    """l_i = Σ tanh(y_i) r_i; the batch loss is the mean over i."""
+    return F.sum(F.tanh(y) * r, axis=tuple(range(1, y.ndim)))
+
+
+def collect(link, x, r, **kfac_options):
+    """Runs one K-FAC step on ``link`` and returns its block."""
+    opt = chainerkfac.optimizers.KFAC(lr=0.0, **kfac_options)
+    opt.setup(link)
+    opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
+    block, = opt.blocks
+    return block
+
+
+def per_sample_output_grads(link, x, r):
+    """∂l_i/∂y_i from a separate backward pass for every sample."""
+    grads = []
+    for i in range(len(x)):
+        y = link(x[i:i + 1])
+        loss = F.sum(per_sample_loss(y, r[i:i + 1]))
+        gy, = chainer.grad([loss], [y])
+        grads.append(gy.array[0])
+    return numpy.stack(grads)
+
+
+@pytest.mark.parametrize('nobias', [False, True])
+def test_linear_factors(nobias):
+    rng = numpy.random.RandomState(0)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Linear(5, 3, nobias=nobias)
+    if not nobias:
+        link.b.array = rng.randn(3)
+    x = rng.randn(7, 5)
+    r = rng.randn(7, 3)
+    gy = per_sample_output_grads(link, x, r)
+    A, G = brute_force.kronecker_factors(x[:, None], gy[:, None], not nobias)
+    block = collect(link, x, r)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+
+
+@pytest.mark.parametrize('stride,pad,dilate', [
+    (1, 0, 1), ((2, 1), 1, 1), (1, (2, 1), 2), (2, 1, (1, 2))])
+def test_convolution_2d_factors(stride, pad, dilate):
+    rng = numpy.random.RandomState(1)
+    link = L.Convolution2D(2, 3, (3, 2), stride=stride, pad=pad,
+                           dilate=dilate)
+    link.W.array = rng.randn(*link.W.shape)
+    link.b.array = rng.randn(3)
+    x = rng.randn(4, 2, 7, 6)
+    y = link(x)
+    r = rng.randn(*y.shape)
+    gy = per_sample_output_grads(link, x, r)
+    n, out, oh, ow = gy.shape
+    patches = brute_force.conv_patches(
+        x, (3, 2), link.stride, link.pad, link.dilate)
+    rows = gy.reshape(n, out, oh * ow).transpose(0, 2, 1)
+    A, G = brute_force.kronecker_factors(patches, rows, True)
+    block = collect(link, x, r)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+
+
+@pytest.mark.parametrize('bn_fisher', ['diagonal', 'full'])
+@pytest.mark.parametrize('shape', [(6, 3, 4, 5), (6, 3)])
+def test_batch_normalization_fisher(bn_fisher, shape):
+    # BN couples samples, so the per-sample gradient is defined with x̂ held
+    # fixed (paper §5.4): u_i = Σ ĝ_i x̂_i, v_i = Σ ĝ_i with ĝ_i = ∂l_i/∂y_i.
+    # With BN as the last layer, ∂l_i/∂y_i = (1 - tanh² y_i) r_i exactly.
+    rng = numpy.random.RandomState(2)
+    C = shape[1]
+    link = L.BatchNormalization(C, dtype=numpy.float64)
+    link.gamma.array = rng.rand(C) + 0.5
+    link.beta.array = rng.randn(C)
+    x = rng.randn(*shape) * 2 + 1
+    r = rng.randn(*shape)
+    axes = (0,) + tuple(range(2, len(shape)))
+    x_hat = (x - x.mean(axis=axes, keepdims=True)) / numpy.sqrt(
+        x.var(axis=axes, keepdims=True) + link.eps)
+    expand = (slice(None),) + (None,) * (len(shape) - 2)
+    y = link.gamma.array[expand] * x_hat + link.beta.array[expand]
+    g_hat = (1 - numpy.tanh(y) ** 2) * r
+    n = shape[0]
+    z = []
+    for i in range(n):
+        u = [sum(g_hat[i, c].ravel() * x_hat[i, c].ravel()) for c in range(C)]
+        v = [sum(g_hat[i, c].ravel()) for c in range(C)]
+        z.append(numpy.array(u + v))
+    full = sum(numpy.outer(zi, zi) for zi in z) / n
+    block = collect(link, x, r, bn_fisher=bn_fisher)
+    expected = numpy.diag(full) if bn_fisher == 'diagonal' else full
+    numpy.testing.assert_allclose(block.factor['F'], expected, rtol=1e-10)
+
+
+def test_statistics_ignore_evaluation_passes():
+    rng = numpy.random.RandomState(3)
+    link = L.Linear(4, 2)
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(link)
+    block, = opt.blocks
+    x = rng.randn(3, 4).astype(numpy.float32)
+    with chainer.using_config('train', False):
+        F.sum(link(x)).backward()
+    with chainer.no_backprop_mode():
+        link(x)
+    assert not block.has_pending_statistics()
+    F.sum(link(x)).backward()
+    assert block.has_pending_statistics()
+
+
+def test_loss_scale_is_divided_out():
+    rng = numpy.random.RandomState(4)
+    x = rng.randn(5, 4)
+    r = rng.randn(5, 3)
+    factors = []
+    for scale in (None, 64.0):
+        with chainer.using_config('dtype', numpy.float64):
+            link = L.Linear(4, 3, initialW=numpy.ones((3, 4)))
+        opt = chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.0)
+        opt.setup(link)
+        if scale:
+            opt.loss_scaling(scale=scale)
+        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
+        factors.append((opt.blocks[0].factor['G'], link.W.array.copy()))
+    numpy.testing.assert_allclose(factors[0][0], factors[1][0], rtol=1e-10)
+    numpy.testing.assert_allclose(factors[0][1], factors[1][1], rtol=1e-10)

@@ -1,0 +1,294 @@
+"""One K-FAC step against dense Kronecker-product computations."""
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+import pytest
+
+import chainerkfac
+from tests import brute_force
+
+
+class MLP(chainer.Chain):
+    def __init__(self, dtype=numpy.float64):
+        super().__init__()
+        with chainer.using_config('dtype', dtype), self.init_scope():
+            self.l1 = L.Linear(6, 5)
+            self.l2 = L.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def loss_fn(model):
+    return lambda x, t: F.softmax_cross_entropy(model(x), t)
+
+
+def data(n=16, seed=0, dtype=numpy.float64):
+    rng = numpy.random.RandomState(seed)
+    return rng.randn(n, 6).astype(dtype), rng.randint(0, 3, n)
+
+
+def full_gradient(link):
+    return numpy.concatenate([link.W.grad, link.b.grad[:, None]], axis=1)
+
+
+@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
+@pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
+                                        (numpy.float32, 2e-3)])
+def test_one_step_equals_dense_kronecker_solve(inverse, dtype, rtol):
+    damping, lr = 1e-2, 0.5
+    model = MLP(dtype)
+    opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
+                                      inverse=inverse)
+    opt.setup(model)
+    x, t = data(dtype=dtype)
+    before = {n: p.array.astype(numpy.float64).copy()
+              for n, p in model.namedparams()}
+    # Raw gradients and factors of the same batch, computed independently.
+    ref = MLP(dtype)
+    ref.copyparams(model)
+    ref.cleargrads()
+    loss_fn(ref)(x, t).backward()
+    opt.update(loss_fn(model), x, t)
+    for block in opt.blocks:
+        name = block.name
+        A = block.factor['A'].astype(numpy.float64)
+        G = block.factor['G'].astype(numpy.float64)
+        grad = full_gradient(getattr(ref, name)).astype(numpy.float64)
+        if inverse == 'cholesky':
+            A_d, G_d = brute_force.factored_damping(A, G, damping)
+            dense = numpy.kron(A_d, G_d)
+        else:
+            dense = numpy.kron(A, G) + damping * numpy.eye(len(A) * len(G))
+        V = brute_force.unvec(numpy.linalg.solve(dense, brute_force.vec(grad)),
+                              grad.shape)
+        W_new = before['/' + name + '/W'] - lr * V[:, :-1]
+        b_new = before['/' + name + '/b'] - lr * V[:, -1]
+        link = getattr(model, name)
+        numpy.testing.assert_allclose(link.W.array, W_new, rtol=rtol,
+                                      atol=rtol * abs(W_new).max())
+        numpy.testing.assert_allclose(link.b.array, b_new, rtol=rtol,
+                                      atol=rtol * abs(b_new).max())
+
+
+def test_batch_of_one_linear_block_is_exact_empirical_fisher():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    x, t = data(n=1)
+    ref = MLP()
+    ref.copyparams(model)
+    ref.cleargrads()
+    loss_fn(ref)(x, t).backward()
+    opt.update(loss_fn(model), x, t)
+    for block in opt.blocks:
+        g = brute_force.vec(full_gradient(getattr(ref, block.name)))
+        numpy.testing.assert_allclose(
+            numpy.kron(block.factor['A'], block.factor['G']),
+            numpy.outer(g, g), rtol=1e-10, atol=1e-14)
+
+
+def run(optimizer, model, steps, hooks=()):
+    optimizer.setup(model)
+    for hook in hooks:
+        optimizer.add_hook(hook)
+    for i in range(steps):
+        x, t = data(seed=i, dtype=model.l1.W.dtype)
+        optimizer.update(loss_fn(model), x, t)
+    return {n: p.array.copy() for n, p in model.namedparams()}
+
+
+@pytest.mark.parametrize('hooks', [
+    (), (chainer.optimizer_hooks.WeightDecay(1e-3),
+         chainer.optimizer_hooks.GradientClipping(0.5),
+         chainer.optimizer_hooks.Lasso(1e-4))])
+def test_without_preconditioning_is_momentum_sgd_bit_for_bit(hooks):
+    init = MLP(numpy.float32)
+    results = []
+    for opt in (chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9),
+                chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.9,
+                                            precondition=False)):
+        model = init.copy(mode='copy')
+        results.append(run(opt, model, 5, hooks))
+    for name in results[0]:
+        assert numpy.array_equal(results[0][name], results[1][name]), name
+
+
+def test_optimizer_hooks_act_before_preconditioning():
+    # Chainer's WeightDecay hook adds rate * w (biases too) to the gradient
+    # that K-FAC then preconditions with the unchanged damping.
+    rate, damping, lr = 0.05, 1e-2, 0.5
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping)
+    opt.setup(model)
+    opt.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
+    ref = MLP()
+    ref.copyparams(model)
+    ref.cleargrads()
+    x, t = data()
+    loss_fn(ref)(x, t).backward()
+    opt.update(loss_fn(model), x, t)
+    for block in opt.blocks:
+        link = getattr(ref, block.name)
+        grad = full_gradient(link) + rate * numpy.concatenate(
+            [link.W.array, link.b.array[:, None]], axis=1)
+        A_d, G_d = brute_force.factored_damping(
+            block.factor['A'], block.factor['G'], damping)
+        V = brute_force.unvec(numpy.linalg.solve(numpy.kron(A_d, G_d),
+                                                 brute_force.vec(grad)),
+                              grad.shape)
+        numpy.testing.assert_allclose(getattr(model, block.name).b.array,
+                                      link.b.array - lr * V[:, -1],
+                                      rtol=1e-8)
+
+
+def test_momentum_update_rule():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(lr=0.3, momentum=0.5, damping=1e-2,
+                                      cov_ema_decay=0.0)
+    opt.setup(model)
+    w0 = model.l1.W.array.copy()
+    x, t = data()
+    opt.update(loss_fn(model), x, t)
+    v1 = model.l1.W.array - w0
+    w1 = model.l1.W.array.copy()
+    opt.update(loss_fn(model), x, t)
+    # v2 = 0.5 v1 - lr V2, with V2 the preconditioned gradient of step 2.
+    V2 = model.l1.W.grad
+    numpy.testing.assert_allclose(model.l1.W.array - w1, 0.5 * v1 - 0.3 * V2,
+                                  rtol=1e-12)
+
+
+def test_paper_weight_decay_adds_to_gradient_and_damping():
+    damping, decay, lr = 1e-2, 1e-1, 0.5
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
+                                      weight_decay=decay)
+    opt.setup(model)
+    ref = MLP()
+    ref.copyparams(model)
+    ref.cleargrads()
+    x, t = data()
+    loss_fn(ref)(x, t).backward()
+    opt.update(loss_fn(model), x, t)
+    block = opt.blocks[0]
+    link = getattr(ref, block.name)
+    grad = full_gradient(link)
+    grad[:, :-1] += decay * link.W.array
+    A_d, G_d = brute_force.factored_damping(
+        block.factor['A'], block.factor['G'], damping + decay)
+    V = brute_force.unvec(numpy.linalg.solve(numpy.kron(A_d, G_d),
+                                             brute_force.vec(grad)),
+                          grad.shape)
+    numpy.testing.assert_allclose(getattr(model, block.name).W.array,
+                                  link.W.array - lr * V[:, :-1], rtol=1e-8)
+
+
+def test_accumulation_equals_one_big_batch():
+    init = MLP()
+    results = []
+    for acc_iters in (1, 4):
+        model = init.copy(mode='copy')
+        opt = chainerkfac.optimizers.KFAC(lr=0.1, acc_iters=acc_iters)
+        opt.setup(model)
+        for i in range(3):
+            x, t = data(n=16, seed=i)
+            opt.update(loss_fn(model), x, t)
+        results.append(model)
+    for (n, p), (_, q) in zip(results[0].namedparams(),
+                              results[1].namedparams()):
+        numpy.testing.assert_allclose(p.array, q.array, rtol=1e-10)
+
+
+def test_accumulation_rejects_uneven_batches():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(acc_iters=3)
+    opt.setup(model)
+    with pytest.raises(ValueError, match='acc_iters=3'):
+        opt.update(loss_fn(model), *data(n=16))
+
+
+def test_singular_factor_gives_finite_update():
+    # Zero activations without bias: A = 0, π falls back to 1.
+    link = L.Linear(4, 3, nobias=True)
+    opt = chainerkfac.optimizers.KFAC(lr=0.1)
+    opt.setup(link)
+    x = numpy.zeros((5, 4), dtype=numpy.float32)
+    opt.update(lambda x: F.sum(link(x) ** 2) + F.sum(link.W), x)
+    assert numpy.isfinite(link.W.array).all()
+    numpy.testing.assert_allclose(opt.blocks[0].factor['A'], 0)
+
+
+@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
+def test_damped_inverse_never_nan(inverse):
+    rng = numpy.random.RandomState(0)
+    v = rng.randn(6, 1)
+    indefinite = v @ v.T - 1e-3 * numpy.eye(6)
+    inv = chainerkfac.linalg.damped_inverse(indefinite, 0.0)
+    assert numpy.isfinite(inv).all()
+    numpy.testing.assert_allclose(inv, inv.T, rtol=1e-10)
+    inv = chainerkfac.linalg.damped_inverse(numpy.zeros((3, 3)), 1e-4)
+    numpy.testing.assert_allclose(inv, numpy.eye(3) * 1e4, rtol=1e-8)
+
+
+def test_nan_gradient_raises_by_default():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    x, t = data()
+    x[0, 0] = numpy.nan
+    with pytest.raises(chainerkfac.NonFiniteError, match='l1'):
+        opt.update(loss_fn(model), x, t)
+
+
+def test_nan_gradient_skipped_when_configured():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
+    opt.setup(model)
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    x, t = data()
+    x[0, 0] = numpy.nan
+    reporter = chainer.Reporter()
+    observation = {}
+    with reporter.scope(observation):
+        opt.update(loss_fn(model), x, t)
+    assert observation['kfac/skipped_steps'] == 1
+    for n, p in model.namedparams():
+        numpy.testing.assert_array_equal(p.array, before[n])
+    assert all(b.factor['A'] is None for b in opt.blocks)
+    opt.update(loss_fn(model), *data())
+    assert all(b.ready() for b in opt.blocks)
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    ({'lr': -1}, 'lr'), ({'momentum': 1.0}, 'momentum'),
+    ({'damping': 0}, 'damping'), ({'cov_ema_decay': 1.0}, 'cov_ema_decay'),
+    ({'inverse': 'svd'}, 'inverse'), ({'bn_fisher': 'block'}, 'bn_fisher'),
+    ({'factor_interval': 0}, 'factor_interval'),
+    ({'factor_interval': {'A': 1}}, 'factor_interval'),
+    ({'inverse_interval': 'often'}, 'inverse_interval'),
+    ({'acc_iters': 0}, 'acc_iters'), ({'nonfinite': 'ignore'}, 'nonfinite'),
+])
+def test_bad_hyperparameters_name_the_problem(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        chainerkfac.optimizers.KFAC(**kwargs)
+
+
+def test_reports_and_describe():
+    model = MLP()
+    model.add_link('emb', L.EmbedID(3, 2))
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    text = opt.describe()
+    assert 'l1' in text and 'K-FAC' in text and '/emb/W' in text
+    reporter = chainer.Reporter()
+    observation = {}
+    with reporter.scope(observation):
+        opt.update(loss_fn(model), *data())
+    assert observation['kfac/factor_refreshes'] == 4
+    assert observation['kfac/inverse_refreshes'] == 2
+    observation = {}
+    with reporter.scope(observation):
+        opt.update(loss_fn(model), *data())
+    assert observation['kfac/change_rate'] > 0
