@@ -1,0 +1,74 @@
+"""Runs K-FAC steps [start, stop) of a fixed run; used by test_serialization.
+
+    python resume_run.py START STOP OUT [--resume SNAPSHOT]
+
+The model, data and optimizer settings are fixed, so runs that cover the same
+steps must end in the same state. Writes the model and optimizer to OUT.
+"""
+import argparse
+
+import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+
+from chainerkfac import schedules
+
+
+class CNN(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(1, 4, 3, pad=1,
+                                        initialW=chainer.initializers.HeNormal(
+                                            rng=numpy.random.RandomState(1)))
+            self.bn = L.BatchNormalization(4)
+            self.fc = L.Linear(4 * 6 * 6, 3,
+                               initialW=chainer.initializers.HeNormal(
+                                   rng=numpy.random.RandomState(2)))
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))))
+
+
+def make_optimizer(inverse):
+    return chainerkfac.optimizers.KFAC(
+        lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
+        factor_interval={'A': schedules.Adaptive(threshold=0.2),
+                         'G': lambda t: 1 if t < 4 else 2},
+        inverse_interval=3)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument('start', type=int)
+    parser.add_argument('stop', type=int)
+    parser.add_argument('out')
+    parser.add_argument('--resume')
+    parser.add_argument('--inverse', default='cholesky')
+    args = parser.parse_args()
+    model = CNN()
+    optimizer = make_optimizer(args.inverse)
+    optimizer.setup(model)
+    if args.resume:
+        state = numpy.load(args.resume)
+        chainer.serializers.NpzDeserializer(state, path='model/').load(model)
+        chainer.serializers.NpzDeserializer(
+            state, path='optimizer/').load(optimizer)
+        assert optimizer.t == args.start, optimizer.t
+    for step in range(args.start, args.stop):
+        rng = numpy.random.RandomState(100 + step)
+        x = rng.randn(6, 1, 6, 6).astype(numpy.float32)
+        t = rng.randint(0, 3, 6)
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                         x, t)
+    target = {}
+    chainer.serializers.DictionarySerializer(target, path='model/').save(model)
+    chainer.serializers.DictionarySerializer(
+        target, path='optimizer/').save(optimizer)
+    numpy.savez(args.out, **target)
+
+
+if __name__ == '__main__':
+    main()
