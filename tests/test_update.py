@@ -292,3 +292,20 @@ def test_reports_and_describe():
     with reporter.scope(observation):
         opt.update(loss_fn(model), *data())
     assert observation['kfac/change_rate'] > 0
+
+
+def test_manual_loop_equals_update_with_lossfun():
+    init = MLP()
+    a, b = init.copy(mode='copy'), init.copy(mode='copy')
+    opt_a = chainerkfac.optimizers.KFAC(lr=0.1)
+    opt_a.setup(a)
+    opt_b = chainerkfac.optimizers.KFAC(lr=0.1)
+    opt_b.setup(b)
+    for i in range(3):
+        x, t = data(seed=i)
+        opt_a.update(loss_fn(a), x, t)
+        b.cleargrads()
+        loss_fn(b)(x, t).backward()
+        opt_b.update()
+    for (n, p), (_, q) in zip(a.namedparams(), b.namedparams()):
+        numpy.testing.assert_array_equal(p.array, q.array)
