@@ -29,6 +29,15 @@ def data(n=16, seed=0, dtype=numpy.float64):
     return rng.randn(n, 6).astype(dtype), rng.randint(0, 3, n)
 
 
+def reference_copy(model, x, t):
+    """A copy of ``model`` holding the raw gradients of batch (x, t)."""
+    ref = MLP(model.l1.W.dtype)
+    ref.copyparams(model)
+    ref.cleargrads()
+    loss_fn(ref)(x, t).backward()
+    return ref
+
+
 def full_gradient(link):
     return numpy.concatenate([link.W.grad, link.b.grad[:, None]], axis=1)
 
@@ -45,11 +54,8 @@ def test_one_step_equals_dense_kronecker_solve(inverse, dtype, rtol):
     x, t = data(dtype=dtype)
     before = {n: p.array.astype(numpy.float64).copy()
               for n, p in model.namedparams()}
-    # Raw gradients and factors of the same batch, computed independently.
-    ref = MLP(dtype)
-    ref.copyparams(model)
-    ref.cleargrads()
-    loss_fn(ref)(x, t).backward()
+    # Raw gradients of the same batch, computed independently.
+    ref = reference_copy(model, x, t)
     opt.update(loss_fn(model), x, t)
     for block in opt.blocks:
         name = block.name
@@ -77,10 +83,7 @@ def test_batch_of_one_linear_block_is_exact_empirical_fisher():
     opt = chainerkfac.optimizers.KFAC()
     opt.setup(model)
     x, t = data(n=1)
-    ref = MLP()
-    ref.copyparams(model)
-    ref.cleargrads()
-    loss_fn(ref)(x, t).backward()
+    ref = reference_copy(model, x, t)
     opt.update(loss_fn(model), x, t)
     for block in opt.blocks:
         g = brute_force.vec(full_gradient(getattr(ref, block.name)))
@@ -123,11 +126,8 @@ def test_optimizer_hooks_act_before_preconditioning():
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
-    ref = MLP()
-    ref.copyparams(model)
-    ref.cleargrads()
     x, t = data()
-    loss_fn(ref)(x, t).backward()
+    ref = reference_copy(model, x, t)
     opt.update(loss_fn(model), x, t)
     for block in opt.blocks:
         link = getattr(ref, block.name)
@@ -166,11 +166,8 @@ def test_paper_weight_decay_adds_to_gradient_and_damping():
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
                                       weight_decay=decay)
     opt.setup(model)
-    ref = MLP()
-    ref.copyparams(model)
-    ref.cleargrads()
     x, t = data()
-    loss_fn(ref)(x, t).backward()
+    ref = reference_copy(model, x, t)
     opt.update(loss_fn(model), x, t)
     block = opt.blocks[0]
     link = getattr(ref, block.name)
