@@ -127,10 +127,11 @@ class FisherBlock:
         """Folds new statistics into the stored factors.
 
         ``C <- decay * C + (1 - decay) * C_new`` (``decay`` weighs the *old*
-        value; the first statistics are taken as they are). Returns the change
-        rates ``‖C_t − C_{t−Δ}‖_F / ‖C_{t−Δ}‖_F`` of the refreshed factors.
+        value; the first statistics are taken as they are). Returns
+        ``{factor: change rate}`` for the refreshed factors, the rate being
+        ``‖C_t − C_{t−Δ}‖_F / ‖C_{t−Δ}‖_F`` (``None`` on a first refresh).
         """
-        rates = []
+        rates = {}
         for f, new in stats.items():
             xp = backend.get_array_module(new)
             if not bool(xp.isfinite(new).all()):
@@ -146,8 +147,8 @@ class FisherBlock:
                 old_norm = float(xp.linalg.norm(old))
                 if old_norm > 0:
                     rate = float(xp.linalg.norm(updated - old)) / old_norm
-                    rates.append(rate)
                 self.factor[f] = updated
+            rates[f] = rate
             self.schedules[f].mark(step, rate)
             self._factors_changed = True
         return rates

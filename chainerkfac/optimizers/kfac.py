@@ -47,6 +47,45 @@ class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
     """
 
 
+class LocalStages:
+    """The stages of one K-FAC step in a single process: nothing moves.
+
+    :class:`chainerkfac.distributed.HybridParallelStages` replaces it under
+    MPI (paper §3.3); the optimizer's step is the same code in both cases.
+    """
+
+    def setup(self, optimizer):
+        """Called at the end of :meth:`KFAC.setup`."""
+
+    def prepare(self, optimizer):
+        """Called at the start of every :meth:`KFAC.update`."""
+
+    def reduce(self, optimizer):
+        """Gradients and statistics after backward, before the hooks.
+
+        Returns ``{block: {factor: batch mean}}`` for the blocks this
+        process preconditions.
+        """
+        stats = {}
+        for block in optimizer.blocks:
+            if block.has_pending_statistics():
+                stats[block] = block.take_statistics(
+                    block.params()[0]._loss_scale)
+        return stats
+
+    def agree(self, ok):
+        """Whether every process can take the step (``ok`` is local)."""
+        return ok
+
+    def owned(self, blocks):
+        """The blocks this process refreshes and preconditions."""
+        return blocks
+
+    def gather(self, optimizer, rates):
+        """Shares preconditioned gradients; ``rates`` are the change rates
+        of the factors this process refreshed, ``{block: {factor: rate}}``."""
+
+
 def _check_hyperparameters(hp):
     checks = (
         ('lr', hp.lr >= 0, 'must be >= 0'),
@@ -163,6 +202,7 @@ class KFAC(optimizer.GradientMethod):
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
+        self._stages = LocalStages()
 
     lr = optimizer.HyperparameterProxy('lr')
     momentum = optimizer.HyperparameterProxy('momentum')
@@ -205,8 +245,16 @@ class KFAC(optimizer.GradientMethod):
             if self._hook.name in child.local_link_hooks:
                 child.delete_hook(self._hook.name)
             child.add_hook(self._hook)
+        self._stages.setup(self)
         logger.info('%s', self.describe())
         return self
+
+    def use_stages(self, stages):
+        """Runs the step's stages through ``stages`` (see
+        :func:`chainerkfac.create_multi_node_optimizer`)."""
+        self._stages = stages
+        if getattr(self, 'target', None) is not None:
+            stages.setup(self)
 
     def describe(self):
         """A table of which links get K-FAC and which get momentum SGD."""
@@ -236,6 +284,7 @@ class KFAC(optimizer.GradientMethod):
         averaged and their statistics pooled. Without it, the gradients (and
         any statistics collected since the last step) are used as they are.
         """
+        self._stages.prepare(self)
         if lossfun is not None:
             self.target.cleargrads()
             for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
@@ -247,16 +296,15 @@ class KFAC(optimizer.GradientMethod):
                     if param.grad is not None:
                         param.grad /= self.acc_iters
         self.reallocate_cleared_grads()
+        stats = self._stages.reduce(self)
         self.check_nan_in_grads()
         self.call_hooks('pre')
         self.t += 1
-        if self.is_safe_to_update() and self._check_finite_gradients():
-            self.update_curvature()
+        if self._stages.agree(self.is_safe_to_update()
+                              and self._check_finite_gradients()):
+            self.update_curvature(stats)
             for param in self.target.params():
                 param.update()
-        else:
-            for block in self.blocks:
-                block.discard_statistics()
         self.reallocate_cleared_grads()
         self.call_hooks('post')
         self.update_loss_scale()
@@ -297,39 +345,40 @@ class KFAC(optimizer.GradientMethod):
                 return False
         return True
 
-    def update_curvature(self):
+    def update_curvature(self, stats):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
-        Reports ``kfac/damping``, ``kfac/factor_refreshes`` (factors
-        refreshed this step), ``kfac/inverse_refreshes`` and, on steps that
-        refreshed a factor, ``kfac/change_rate`` (mean over those factors).
+        ``stats`` is ``{block: {factor: batch mean}}``. Reports
+        ``kfac/damping``, ``kfac/factor_refreshes`` (factors refreshed this
+        step), ``kfac/inverse_refreshes`` and, on steps that refreshed a
+        factor, ``kfac/change_rate`` (mean over those factors).
         """
         step = self.t
         hp = self.hyperparam
-        factor_refreshes = inverse_refreshes = 0
-        rates = []
-        for block in self.blocks:
-            if block.has_pending_statistics():
-                stats = block.take_statistics(block.params()[0]._loss_scale)
+        inverse_refreshes = 0
+        rates = {}
+        for block in self._stages.owned(self.blocks):
+            if block in stats:
                 try:
-                    rates += block.update_factors(step, stats,
-                                                  hp.cov_ema_decay)
+                    rates[block] = block.update_factors(
+                        step, stats[block], hp.cov_ema_decay)
                 except base.NonFiniteError:
                     if self.nonfinite == 'raise':
                         raise
                     logger.warning('iteration %d: dropped non-finite '
                                    'statistics of %s', step, block.name)
-                    continue
-                factor_refreshes += len(stats)
             if block.update_inverse(step, block.effective_damping(hp)):
                 inverse_refreshes += 1
             block.precondition(hp.weight_decay)
+        self._stages.gather(self, rates)
+        measured = [r for block_rates in rates.values()
+                    for r in block_rates.values() if r is not None]
         report = {'kfac/damping': hp.damping,
-                  'kfac/factor_refreshes': factor_refreshes,
+                  'kfac/factor_refreshes': sum(map(len, rates.values())),
                   'kfac/inverse_refreshes': inverse_refreshes,
                   'kfac/skipped_steps': 0}
-        if rates:
-            report['kfac/change_rate'] = sum(rates) / len(rates)
+        if measured:
+            report['kfac/change_rate'] = sum(measured) / len(measured)
         chainer.report(report)
 
     # -- state --------------------------------------------------------------

@@ -1,0 +1,369 @@
+"""Communicators for distributed K-FAC.
+
+A K-FAC communicator is a ChainerMN communicator (``bcast_data``,
+``multi_node_mean_grad``, ``bcast_obj``, ``allreduce_obj``, ... work as in
+ChainerMN) with the collectives of the hybrid data/model-parallel scheme of
+Osawa et al. (CVPR 2019, §3.3, Fig. 1):
+
+* :meth:`~KfacCommunicatorMixin.reduce_scatter_v` (stage 3): the Kronecker
+  factors computed by every rank on its own mini-batch are summed, and each
+  block lands on the rank that owns it (data parallel -> model parallel);
+* :meth:`~KfacCommunicatorMixin.all_gather_v` (stage 6): every owner's
+  preconditioned gradients reach every rank (model parallel -> data
+  parallel);
+* :meth:`~KfacCommunicatorMixin.allreduce_mean` and
+  :meth:`~KfacCommunicatorMixin.bcast_array` for the rest.
+
+Together the two ``v`` collectives move what one allreduce moves (an
+allreduce is a reduce-scatter followed by an all-gather), which is why the
+paper's K-FAC communicates about as much as SGD; the original implementation
+emulated both with allreduces, at twice the bandwidth. Here they are the real
+``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` (``'naive'``, NumPy buffers) or
+grouped NCCL reduces / broadcasts (``'pure_nccl'``, CuPy buffers).
+
+This module imports neither MPI nor CuPy: :func:`create_communicator` imports
+the implementation it is asked for, so ``import chainerkfac.distributed``
+works on a machine with neither.
+"""
+import math
+
+import numpy
+
+import chainer
+
+
+#: The keys of :attr:`KfacCommunicatorMixin.bytes_moved`. ``'allreduce'``
+#: counts ``allreduce_mean`` and ``multi_node_mean_grad``; ``'bcast'`` counts
+#: ``bcast_array`` and ``bcast_data``.
+COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'bcast')
+
+# What the max-abs exchange of a scaled half-precision transfer costs.
+_SCALE_EXCHANGE_BYTES = numpy.dtype(numpy.float64).itemsize
+
+
+def create_communicator(communicator_name='naive', mpi_comm=None,
+                        transport_dtype=None, allreduce_grad_dtype=None,
+                        abort_on_exception=True):
+    """Creates a K-FAC communicator, as :func:`chainermn.create_communicator`
+    does a ChainerMN one.
+
+    Args:
+        communicator_name (str): ``'naive'``: MPI through mpi4py on the
+            arrays themselves (NumPy on CPU; CuPy needs a CUDA-aware MPI).
+            ``'pure_nccl'``: NCCL through CuPy for arrays, MPI only to set
+            up; call ``chainer.cuda.get_device_from_id(comm.intra_rank).use()``
+            before the first collective.
+        mpi_comm: An mpi4py communicator; ``MPI.COMM_WORLD`` by default.
+        transport_dtype: ``None`` sends arrays in their own dtype. A
+            narrower float dtype (``numpy.float16``) halves the traffic of
+            :meth:`~KfacCommunicatorMixin.reduce_scatter_v` and
+            :meth:`~KfacCommunicatorMixin.all_gather_v` (paper §3.4); the
+            arrays are scaled by a power of two so that the largest value,
+            times the number of summands, stays within the dtype's range.
+            Off by default: float16 keeps about 3 significant digits.
+        allreduce_grad_dtype: ``'pure_nccl'`` only, as in ChainerMN: the
+            dtype of ``multi_node_mean_grad``'s transfers.
+        abort_on_exception (bool): When there is more than one rank, install
+            :func:`~chainerkfac.distributed.install_global_except_hook`, so
+            that an uncaught exception on any rank ends the whole job
+            instead of leaving the other ranks waiting in a collective.
+
+    Returns:
+        A communicator with ChainerMN's interface and the methods of
+        :class:`KfacCommunicatorMixin`.
+    """
+    if mpi_comm is None:
+        import mpi4py.MPI
+        mpi_comm = mpi4py.MPI.COMM_WORLD
+
+    if communicator_name == 'naive':
+        if allreduce_grad_dtype is not None:
+            raise ValueError("allreduce_grad_dtype is only available with "
+                             "the 'pure_nccl' communicator")
+        from chainerkfac.distributed.naive_communicator \
+            import NaiveCommunicator
+        comm = NaiveCommunicator(mpi_comm, transport_dtype=transport_dtype)
+    elif communicator_name == 'pure_nccl':
+        from chainerkfac.distributed.pure_nccl_communicator \
+            import PureNcclCommunicator
+        comm = PureNcclCommunicator(
+            mpi_comm, transport_dtype=transport_dtype,
+            allreduce_grad_dtype=allreduce_grad_dtype)
+    else:
+        raise ValueError('unknown communicator {!r}; expected \'naive\' or '
+                         '\'pure_nccl\''.format(communicator_name))
+
+    if abort_on_exception and comm.size > 1:
+        from chainerkfac.distributed.global_except_hook \
+            import install_global_except_hook
+        install_global_except_hook()
+    return comm
+
+
+class KfacCommunicatorMixin:
+    """The collectives K-FAC adds to a ChainerMN communicator.
+
+    Mixed in before a ChainerMN communicator class; the subclass calls
+    :meth:`_init_kfac` in its constructor and supplies the transport:
+    ``_reduce_scatter_v(sendbuf, counts)``, ``_all_gather_v(sendbuf,
+    counts)``, ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
+    (in place), ``_allreduce_max(value)`` (a Python float) and the wire item
+    sizes of ``multi_node_mean_grad`` and ``bcast_data``.
+
+    Arrays are flat and of any array module (``chainer.backend
+    .get_array_module``); results come back in the module and dtype of the
+    input. With one process every collective is a copy or nothing, without
+    a call to MPI or NCCL, so a single-process run takes the same code path.
+
+    Every collective adds the bytes it hands to MPI or NCCL on this rank (the
+    payload, in the transport dtype) to :attr:`bytes_moved`, under its
+    collective's name; with one process nothing is added. A ring algorithm
+    sends ``(N - 1) / N`` times the payload per rank for a reduce-scatter,
+    all-gather or broadcast and twice that for an allreduce. Object
+    collectives (``bcast_obj``, ...) and ChainerMN's experimental array
+    primitives (``allreduce``, ``bcast``, ...) are not counted.
+    """
+
+    def _init_kfac(self, transport_dtype):
+        self._bytes_moved = dict.fromkeys(COLLECTIVES, 0)
+        self.set_config('transport_dtype', transport_dtype)
+
+    # Configuration, in ChainerMN's style.
+
+    def set_config(self, name, value=True, **kwargs):
+        if name == 'transport_dtype':
+            if value is not None:
+                value = numpy.dtype(value)
+                if value.kind != 'f':
+                    raise ValueError('transport_dtype must be a float dtype '
+                                     'or None, got {}'.format(value))
+            with self.config_scope():
+                self.transport_dtype = value
+        else:
+            super().set_config(name, value, **kwargs)
+
+    def get_config(self, name=None):
+        if name == 'transport_dtype':
+            return self.transport_dtype
+        return super().get_config(name)
+
+    # Byte counters.
+
+    @property
+    def bytes_moved(self):
+        """Bytes moved so far, per collective (a copy)."""
+        return dict(self._bytes_moved)
+
+    def reset_bytes_moved(self):
+        """Returns :attr:`bytes_moved` and sets every counter to zero."""
+        moved = self.bytes_moved
+        self._bytes_moved = dict.fromkeys(COLLECTIVES, 0)
+        return moved
+
+    def _count(self, collective, nbytes):
+        self._bytes_moved[collective] += int(nbytes)
+
+    # The K-FAC collectives.
+
+    def reduce_scatter_v(self, sendbuf, counts):
+        """Sums over ranks and scatters uneven segments (paper §3.3, stage 3).
+
+        ``sendbuf`` is the concatenation, in rank order, of the segments
+        destined for each rank: ``counts[r]`` elements for rank ``r``. Each
+        rank receives its own segment summed over all ranks, so every
+        rank's Kronecker factors add up on the factors' owner. One
+        ``MPI_Reduce_scatter`` (or NCCL reduce per owner): each element
+        crosses the network about once, where an allreduce would also send
+        every rank everyone's sums.
+
+        Args:
+            sendbuf: 1-D array of ``sum(counts)`` elements, the same
+                ``counts`` and dtype on every rank.
+            counts (sequence of int): Segment sizes, one per rank; zeros
+                are allowed (a rank that owns nothing).
+
+        Returns:
+            A new 1-D array of ``counts[rank]`` elements.
+        """
+        counts = self._check_counts(counts)
+        sendbuf = self._check_flat(sendbuf, 'sendbuf')
+        if sendbuf.size != sum(counts):
+            raise ValueError('sendbuf has {} elements but counts sum to '
+                             '{}'.format(sendbuf.size, sum(counts)))
+        if self.size == 1:
+            return sendbuf.copy()
+        wire, scale = self._encode(sendbuf, self.size, 'reduce_scatter_v')
+        recvbuf = self._reduce_scatter_v(wire, counts)
+        self._count('reduce_scatter_v', wire.nbytes)
+        return self._decode(recvbuf, sendbuf.dtype, scale)
+
+    def all_gather_v(self, sendbuf, counts):
+        """Gathers uneven segments onto every rank (paper §3.3, stage 6).
+
+        Rank ``r`` contributes its ``counts[r]`` elements (the gradients it
+        preconditioned); every rank receives the concatenation over ranks in
+        rank order. One ``MPI_Allgatherv`` (or NCCL broadcast per rank).
+
+        Args:
+            sendbuf: 1-D array of ``counts[rank]`` elements, the same dtype
+                on every rank.
+            counts (sequence of int): Segment sizes, one per rank, the same
+                on every rank.
+
+        Returns:
+            A new 1-D array of ``sum(counts)`` elements.
+        """
+        counts = self._check_counts(counts)
+        sendbuf = self._check_flat(sendbuf, 'sendbuf')
+        if sendbuf.size != counts[self.rank]:
+            raise ValueError('rank {} sends {} elements but counts[{}] is '
+                             '{}'.format(self.rank, sendbuf.size, self.rank,
+                                         counts[self.rank]))
+        if self.size == 1:
+            return sendbuf.copy()
+        wire, scale = self._encode(sendbuf, 1, 'all_gather_v')
+        recvbuf = self._all_gather_v(wire, counts)
+        self._count('all_gather_v', recvbuf.nbytes)
+        return self._decode(recvbuf, sendbuf.dtype, scale)
+
+    def allreduce_mean(self, array):
+        """Replaces ``array`` by its mean over ranks, in place, and returns
+        it: gradients of parameters outside the K-FAC blocks, and statistics
+        that every rank needs (paper §3.3, stage 3 for the gradients)."""
+        self._check_contiguous_float(array)
+        if self.size == 1:
+            return array
+        self._allreduce_sum(array)
+        array /= self.size
+        self._count('allreduce', array.nbytes)
+        return array
+
+    def bcast_array(self, array, root=0):
+        """Overwrites ``array`` with its value on ``root``, in place, and
+        returns it. Every rank passes an array of the same shape and
+        dtype."""
+        self._check_contiguous_float(array)
+        if self.size == 1:
+            return array
+        self._bcast(array, root)
+        self._count('bcast', array.nbytes)
+        return array
+
+    # ChainerMN's model-wide collectives, counted and free at size 1.
+
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        if self.size == 1:
+            if zero_fill:
+                for param in model.params():
+                    if param.grad is None and param.data is not None:
+                        param.grad = param.xp.zeros_like(param.data)
+            return
+        super().multi_node_mean_grad(model, zero_fill)
+        self._count('allreduce', sum(
+            param.grad.size * self._grad_wire_itemsize(param.grad)
+            for param in model.params() if param.grad is not None))
+
+    def bcast_data(self, model):
+        if self.size == 1:
+            return
+        super().bcast_data(model)
+        self._count('bcast', sum(
+            param.data.size * self._data_wire_itemsize(param.data)
+            for param in model.params() if param.data is not None))
+
+    # Helpers.
+
+    def _check_counts(self, counts):
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or min(counts) < 0:
+            raise ValueError('counts must hold {} non-negative sizes, one per '
+                             'rank, got {!r}'.format(self.size, counts))
+        return counts
+
+    @staticmethod
+    def _check_flat(array, what):
+        if array.ndim != 1:
+            raise ValueError('{} must be 1-D, got shape {}'.format(
+                what, array.shape))
+        xp = chainer.backend.get_array_module(array)
+        return xp.ascontiguousarray(array)
+
+    @staticmethod
+    def _check_contiguous_float(array):
+        # In-place collectives need the array's own memory.
+        if not array.flags.c_contiguous or array.dtype.kind != 'f':
+            raise ValueError('expected a C-contiguous float array, got dtype '
+                             '{} with strides {}'.format(array.dtype,
+                                                         array.strides))
+
+    def _encode(self, array, n_summands, collective):
+        """Converts ``array`` to the transport dtype; returns it and the
+        power-of-two scale applied (``None`` when there is none)."""
+        wire_dtype = self.transport_dtype
+        if wire_dtype is None or wire_dtype == array.dtype:
+            return array, None
+        if wire_dtype.itemsize > array.dtype.itemsize:
+            return array.astype(wire_dtype), None
+        # Every rank must use the same scale: agree on the largest value.
+        xp = chainer.backend.get_array_module(array)
+        local = float(xp.abs(array).max()) if array.size else 0.0
+        if not math.isfinite(local):
+            local = math.inf  # NaN would compare inconsistently in the max
+        bound = self._allreduce_max(local) * n_summands
+        self._count(collective, _SCALE_EXCHANGE_BYTES)
+        if bound == 0 or not math.isfinite(bound):
+            return array.astype(wire_dtype), None
+        # Half the range leaves room for rounding in the partial sums; a
+        # power of two keeps the scaling exact in both directions.
+        exponent = math.floor(
+            math.log2(float(numpy.finfo(wire_dtype).max) / 2 / bound))
+        info = numpy.finfo(array.dtype)
+        exponent = min(max(exponent, int(info.minexp)), int(info.maxexp) - 1)
+        scale = array.dtype.type(math.ldexp(1.0, exponent))
+        return (array * scale).astype(wire_dtype), scale
+
+    @staticmethod
+    def _decode(recvbuf, dtype, scale):
+        out = recvbuf.astype(dtype, copy=False)
+        if scale is not None:
+            out /= scale
+        return out
+
+
+def check_same_structure(comm, link):
+    """Raises ``ValueError`` on every rank unless all ranks hold the same
+    parameters.
+
+    Compares the name, shape and dtype of every parameter of ``link`` across
+    the ranks of ``comm`` (one object allgather; nothing at size 1). Run at
+    setup: ranks whose models differ would otherwise pack buffers of
+    different layouts and either hang in a collective or exchange garbage.
+    The message names the first differing parameter (in name order) and
+    which ranks hold which version of it.
+    """
+    mine = [(name, _describe(param))
+            for name, param in sorted(link.namedparams())]
+    if comm.size == 1:
+        return
+    everyone = comm.mpi_comm.allgather(mine)
+    if all(theirs == everyone[0] for theirs in everyone[1:]):
+        return
+    per_rank = [dict(theirs) for theirs in everyone]
+    for name in sorted(set().union(*per_rank)):
+        versions = {}
+        for rank, params in enumerate(per_rank):
+            versions.setdefault(params.get(name, 'missing'), []).append(rank)
+        if len(versions) > 1:
+            raise ValueError(
+                'the model differs between ranks, first at parameter {!r}: '
+                '{}'.format(name, '; '.join(
+                    '{} on rank{} {}'.format(
+                        version, 's' if len(ranks) > 1 else '',
+                        ', '.join(map(str, ranks)))
+                    for version, ranks in versions.items())))
+
+
+def _describe(param):
+    if param.array is None:
+        return 'uninitialized'
+    return 'shape {} {}'.format(tuple(param.shape), param.dtype)

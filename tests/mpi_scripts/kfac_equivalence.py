@@ -1,0 +1,83 @@
+"""Trains a small CNN with K-FAC on a fixed global batch; writes the result.
+
+    mpiexec -n N python kfac_equivalence.py OUT.npz    (distributed)
+    python kfac_equivalence.py OUT.npz --single       (one process)
+
+Each rank takes its contiguous shard of every global batch, so N ranks with
+per-rank batch b see exactly the samples one process sees with batch N b.
+Rank 0 writes the parameters; every rank checks that its replica is
+identical to rank 0's.
+"""
+import argparse
+
+import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+
+from chainerkfac import schedules
+
+GLOBAL_BATCH = 16
+STEPS = 7
+
+
+class CNN(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with chainer.using_config('dtype', numpy.float64), self.init_scope():
+            self.conv1 = L.Convolution2D(2, 4, 3, pad=1)
+            self.conv2 = L.Convolution2D(4, 4, 3, stride=2, nobias=True)
+            self.fc1 = L.Linear(16, 8)
+            self.fc2 = L.Linear(8, 3)
+            self.emb = L.EmbedID(3, 2)  # outside K-FAC: plain momentum SGD
+
+    def forward(self, x, t):
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        h = self.fc2(F.tanh(self.fc1(h))) + F.sum(self.emb(t)) * 0.1
+        return F.softmax_cross_entropy(h, t)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument('out')
+    parser.add_argument('--single', action='store_true')
+    parser.add_argument('--inverse', default='cholesky')
+    args = parser.parse_args()
+    numpy.random.seed(0)
+    model = CNN()
+    optimizer = chainerkfac.optimizers.KFAC(
+        lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
+        inverse=args.inverse, weight_decay=1e-3,
+        factor_interval={'A': schedules.Adaptive(threshold=0.3), 'G': 2},
+        inverse_interval=3)
+    rank, size = 0, 1
+    if not args.single:
+        comm = chainerkfac.create_communicator('naive')
+        rank, size = comm.rank, comm.size
+        # Different initial weights on other ranks: setup must broadcast.
+        if rank:
+            for p in model.params():
+                p.array[...] = 7.0
+        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+    optimizer.setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+    b = GLOBAL_BATCH // size
+    for step in range(STEPS):
+        rng = numpy.random.RandomState(step)
+        x = rng.randn(GLOBAL_BATCH, 2, 6, 6)
+        t = rng.randint(0, 3, GLOBAL_BATCH).astype(numpy.int32)
+        optimizer.update(model, x[rank * b:(rank + 1) * b],
+                         t[rank * b:(rank + 1) * b])
+    params = {n: p.array for n, p in model.namedparams()}
+    if not args.single:
+        reference = comm.bcast_obj(params if rank == 0 else None)
+        for name, value in params.items():
+            assert numpy.array_equal(value, reference[name]), \
+                'rank {} replica differs in {}'.format(rank, name)
+    if rank == 0:
+        numpy.savez(args.out, **params)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,191 @@
+"""Cost-balanced placement of curvature blocks (no MPI involved)."""
+import pytest
+
+from chainerkfac.distributed.assignment import Assignment
+from chainerkfac.distributed.assignment import BlockCost
+from chainerkfac.distributed.assignment import assign_blocks
+from chainerkfac.distributed.assignment import assign_blocks_by_count
+
+
+def resnet50_blocks(bn_kind='diagonal'):
+    """The 107 K-FAC blocks of ResNet-50 (53 conv, 53 BN, 1 FC).
+
+    Written out from Chainer's ``ResNet50Layers``: ``conv1`` (7x7, stride 2)
+    and ``fc6`` have a bias (one more coordinate in A), the bottleneck convs
+    do not. d_A = in_channels * kh * kw (+1), d_G = out_channels.
+    """
+    blocks = [BlockCost('conv1', 'kronecker', (3 * 7 * 7 + 1, 64)),
+              BlockCost('bn1', bn_kind, (64,))]
+    in_ch = 64
+    for stage, (n_blocks, mid, out) in enumerate(
+            [(3, 64, 256), (4, 128, 512), (6, 256, 1024), (3, 512, 2048)],
+            start=2):
+        for b in range(n_blocks):
+            prefix = 'res{}/{}'.format(stage, 'a' if b == 0 else 'b%d' % b)
+            convs = [(in_ch, mid, 1), (mid, mid, 3), (mid, out, 1)]
+            if b == 0:
+                convs.append((in_ch, out, 1))  # projection shortcut
+            for k, (cin, cout, ksize) in enumerate(convs, start=1):
+                blocks.append(BlockCost('%s/conv%d' % (prefix, k),
+                                        'kronecker', (cin * ksize ** 2, cout)))
+                blocks.append(BlockCost('%s/bn%d' % (prefix, k), bn_kind,
+                                        (cout,)))
+            in_ch = out
+    blocks.append(BlockCost('fc6', 'kronecker', (2048 + 1, 1000)))
+    return blocks
+
+
+def test_resnet50_block_list():
+    blocks = resnet50_blocks()
+    kinds = [b.kind for b in blocks]
+    assert (len(blocks), kinds.count('kronecker')) == (107, 54)
+    # The largest factor: the 3x3 conv of res5, 512 * 9 = 4608.
+    assert max(b.dims[0] for b in blocks if b.kind == 'kronecker') == 4608
+
+
+def test_costs_hand_computed():
+    k = BlockCost('fc', 'kronecker', (3, 2))
+    assert k.inverse_cost == 27 + 8
+    assert k.precondition_cost == 2 * 2 * 3 * 5
+    assert k.cost() == 35 + 60
+    assert k.cost(refresh_fraction=0.1) == pytest.approx(3.5 + 60)
+    assert BlockCost('bn', 'diagonal', (4,)).cost() == 8 + 8
+    assert BlockCost('bn', 'full', (4,)).cost() == 8 ** 3 + 2 * 8 ** 2
+
+
+@pytest.mark.parametrize('kind, dims', [
+    ('kronecker', (3,)), ('diagonal', (3, 4)), ('full', (0,)),
+    ('conv', (3, 4))])
+def test_invalid_block(kind, dims):
+    with pytest.raises(ValueError, match='block'):
+        BlockCost('x', kind, dims)
+
+
+def test_hand_checked_lpt():
+    # Costs 95, 95, 16, 8, 16 (diagonal C=2 -> 4 + 4) on 2 ranks. LPT takes
+    # a, b, c, e, d: a->r0, b->r1, c->r0 (tie: lower rank), e->r1, d->r0.
+    blocks = [BlockCost('a', 'kronecker', (3, 2)),
+              BlockCost('b', 'kronecker', (3, 2)),
+              BlockCost('c', 'diagonal', (4,)),
+              BlockCost('d', 'diagonal', (2,)),
+              BlockCost('e', 'diagonal', (4,))]
+    result = assign_blocks(blocks, 2)
+    assert result.owners == (0, 1, 0, 0, 1)
+    assert result.loads == (95 + 16 + 8, 95 + 16)
+    assert result.load_imbalance == pytest.approx(119 / 115)
+    assert result.blocks_of(1) == (1, 4)
+    assert result.idle_ranks == ()
+    assert result.buffer_order() == (0, 2, 3, 1, 4)
+    assert result.segment_counts([10, 20, 30, 40, 50]) == [80, 70]
+    with pytest.raises(ValueError, match='one per block'):
+        result.segment_counts([1, 2])
+    # By count: [a, b, c] | [d, e].
+    by_count = assign_blocks_by_count(blocks, 2)
+    assert by_count.owners == (0, 0, 0, 1, 1)
+    assert by_count.loads == (95 + 95 + 16, 8 + 16)
+    assert by_count.load_imbalance == pytest.approx(206 / 115)
+
+
+def test_count_split_is_array_split():
+    blocks = [BlockCost(str(i), 'diagonal', (1,)) for i in range(7)]
+    assert assign_blocks_by_count(blocks, 3).owners == (0, 0, 0, 1, 1, 2, 2)
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3, 8, 64, 107, 128, 1024])
+def test_every_block_has_one_owner(world_size):
+    blocks = resnet50_blocks()
+    for assign in (assign_blocks, assign_blocks_by_count):
+        result = assign(blocks, world_size)
+        assert len(result.owners) == len(blocks)
+        assert all(0 <= r < world_size for r in result.owners)
+        assert sorted(i for r in range(world_size)
+                      for i in result.blocks_of(r)) == list(range(len(blocks)))
+        order = result.buffer_order()
+        assert sorted(order) == list(range(len(blocks)))
+        assert [result.owners[i] for i in order] == sorted(result.owners)
+        total = sum(b.cost() for b in blocks)
+        assert sum(result.loads) == pytest.approx(total)
+
+
+def test_deterministic_and_independent_of_names():
+    blocks = resnet50_blocks()
+    first = assign_blocks(blocks, 8)
+    assert assign_blocks(list(blocks), 8) == first
+    renamed = [BlockCost('x%d' % i, b.kind, b.dims)
+               for i, b in enumerate(blocks)]
+    assert assign_blocks(renamed, 8).owners == first.owners
+
+
+def test_ties_go_to_lower_rank_and_earlier_block():
+    blocks = [BlockCost(str(i), 'diagonal', (1,)) for i in range(5)]
+    assert assign_blocks(blocks, 3).owners == (0, 1, 2, 0, 1)
+
+
+@pytest.mark.parametrize('bn_kind', ['diagonal', 'full'])
+@pytest.mark.parametrize('world_size', [2, 4, 8, 16, 32, 64, 128, 1024])
+def test_lpt_no_worse_than_count_split_on_resnet50(bn_kind, world_size):
+    blocks = resnet50_blocks(bn_kind)
+    lpt = assign_blocks(blocks, world_size)
+    by_count = assign_blocks_by_count(blocks, world_size)
+    assert lpt.load_imbalance <= by_count.load_imbalance * (1 + 1e-12)
+    # LPT never loads a rank beyond the optimum's 4/3 (Graham); the optimum
+    # is at least the larger of the mean load and the costliest block.
+    bound = max(sum(lpt.loads) / world_size, max(b.cost() for b in blocks))
+    assert max(lpt.loads) <= 4 / 3 * bound
+
+
+def test_lpt_clearly_better_at_few_ranks():
+    # The point of the cost model: the count split gives the ranks holding
+    # res5 most of the work.
+    blocks = resnet50_blocks()
+    assert assign_blocks(blocks, 4).load_imbalance < 1.01
+    assert assign_blocks_by_count(blocks, 4).load_imbalance > 3
+    # From 8 ranks on, the res5 3x3 conv (A is 4608 x 4608, a fifth of the
+    # total cost) alone sets the pace: LPT reaches that floor.
+    largest = max(b.cost() for b in blocks)
+    assert max(assign_blocks(blocks, 8).loads) == largest
+    assert max(assign_blocks_by_count(blocks, 8).loads) > 2.5 * largest
+
+
+def test_surplus_ranks_are_idle_and_counted():
+    blocks = resnet50_blocks()[:5]
+    result = assign_blocks(blocks, 8)
+    assert sorted(result.owners) == list(range(5))
+    assert result.idle_ranks == (5, 6, 7)
+    assert result.segment_counts([1] * 5)[5:] == [0, 0, 0]
+    assert result.load_imbalance >= 8 / 5
+
+
+def test_stale_fisher_weights_preconditioning():
+    # With rare refreshes the preconditioning cost decides the placement.
+    blocks = [BlockCost('wide', 'kronecker', (1000, 10)),
+              BlockCost('square', 'kronecker', (300, 300)),
+              BlockCost('small', 'kronecker', (10, 10))]
+    assert blocks[0].inverse_cost > blocks[1].inverse_cost
+    assert blocks[0].precondition_cost < blocks[1].precondition_cost
+    every_step = assign_blocks(blocks, 2)
+    rare = assign_blocks(blocks, 2, refresh_fraction=0.0)
+    assert every_step.blocks_of(0) == (0,)
+    assert rare.blocks_of(0) == (1,)
+
+
+def test_single_rank_and_empty():
+    blocks = resnet50_blocks()
+    result = assign_blocks(blocks, 1)
+    assert set(result.owners) == {0} and result.load_imbalance == 1.0
+    empty = assign_blocks([], 4)
+    assert isinstance(empty, Assignment)
+    assert empty.owners == () and empty.load_imbalance == 1.0
+    assert empty.idle_ranks == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize('world_size', [0, -1, 2.5])
+def test_invalid_world_size(world_size):
+    with pytest.raises(ValueError, match='world_size'):
+        assign_blocks(resnet50_blocks(), world_size)
+
+
+def test_duplicate_names_rejected():
+    block = BlockCost('same', 'diagonal', (1,))
+    with pytest.raises(ValueError, match='unique'):
+        assign_blocks([block, block], 2)
