@@ -39,3 +39,9 @@ def test_distributed_equals_single_process(tmp_path, inverse):
             numpy.testing.assert_allclose(
                 got[name], expected[name], rtol=0, atol=1e-5 * scale,
                 err_msg='{} ranks, {}'.format(n, name))
+
+
+def test_stale_steps_move_only_gradients():
+    result = mpi_helpers.run_mpi(2, mpi_helpers.script_path('kfac_bytes.py'),
+                                 timeout=120, check=True)
+    assert 'bytes ok' in result.stdout

@@ -18,6 +18,10 @@ the volume of the allreduce of data-parallel SGD. Symmetric factors travel
 as their upper triangle (§3.4). Owners come from a cost model
 (:func:`chainerkfac.distributed.assign_blocks`), not from a count.
 """
+import logging
+
+import chainer
+import chainer.links as L
 import chainermn
 import numpy
 from chainer import backend
@@ -26,6 +30,8 @@ from chainerkfac import linalg
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import communicator as communicator_module
 from chainerkfac.optimizers import kfac
+
+logger = logging.getLogger(__name__)
 
 
 def _block_cost(block):
@@ -95,9 +101,18 @@ class HybridParallelStages(kfac.LocalStages):
     def _assign(self, optimizer):
         self.assignment = assignment_module.assign_blocks(
             [_block_cost(b) for b in optimizer.blocks], self.comm.size)
+        if self.comm.rank == 0:
+            logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
+                        '%.2f, idle ranks %s', self.comm.size,
+                        self.assignment.load_imbalance,
+                        list(self.assignment.idle_ranks))
         covered = {id(p) for b in optimizer.blocks for p in b.params()}
         self._other_params = [p for p in optimizer.target.params()
                               if id(p) not in covered]
+        self._running_statistics = [
+            link for link in optimizer.target.links()
+            if isinstance(link, L.BatchNormalization)
+            and link.avg_mean is not None]
 
     def reduce(self, optimizer):
         if self.assignment is None:
@@ -122,7 +137,7 @@ class HybridParallelStages(kfac.LocalStages):
         mine = self.comm.reduce_scatter_v(xp.concatenate(parts), counts)
         mine /= self.comm.size
         self._layout = layout
-        self._mean_other_gradients()
+        self._allreduce_replicated_state()
 
         stats_of_owned = {}
         offset = 0
@@ -142,17 +157,27 @@ class HybridParallelStages(kfac.LocalStages):
                 stats_of_owned[block] = stats
         return stats_of_owned
 
-    def _mean_other_gradients(self):
-        params = [p for p in self._other_params if p.grad is not None]
-        if not params:
+    def _allreduce_replicated_state(self):
+        """Averages what every rank keeps a full copy of, in one allreduce.
+
+        Gradients of parameters outside the blocks (momentum SGD on every
+        rank), and BatchNorm running means and variances: averaging these
+        every step equals averaging them before evaluation or a snapshot
+        (their update is linear), and keeps the replicas identical.
+        """
+        arrays = [p.grad for p in self._other_params if p.grad is not None]
+        for link in self._running_statistics:
+            arrays += [link.avg_mean, link.avg_var]
+        if not arrays:
             return
-        xp = backend.get_array_module(params[0].grad)
-        flat = xp.concatenate([p.grad.ravel() for p in params])
+        xp = backend.get_array_module(arrays[0])
+        flat = xp.concatenate([a.ravel().astype(arrays[0].dtype, copy=False)
+                               for a in arrays])
         self.comm.allreduce_mean(flat)
         offset = 0
-        for p in params:
-            p.grad[...] = flat[offset:offset + p.size].reshape(p.shape)
-            offset += p.size
+        for a in arrays:
+            a[...] = flat[offset:offset + a.size].reshape(a.shape)
+            offset += a.size
 
     def agree(self, ok):
         return bool(self.comm.allreduce_obj(int(not ok)) == 0)
@@ -186,6 +211,8 @@ class HybridParallelStages(kfac.LocalStages):
         send = xp.concatenate(parts) if parts else xp.empty(0, grad0.dtype)
         everything = self.comm.all_gather_v(
             send, self.assignment.segment_counts(sizes))
+        chainer.report({'kfac/bytes/' + name: value for name, value
+                        in self.comm.reset_bytes_moved().items()})
         mine = set(self.assignment.blocks_of(self.comm.rank))
         step = optimizer.t
         offset = 0

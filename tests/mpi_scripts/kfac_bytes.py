@@ -1,0 +1,84 @@
+"""Counts the bytes of every collective on refresh and stale K-FAC steps.
+
+    mpiexec -n N python kfac_bytes.py
+
+A stale step must move only gradients: the reduce-scatter-v and the
+all-gather-v each carry exactly the gradients of the K-FAC blocks, and the
+allreduce carries the other gradients and the BatchNorm running statistics.
+A refresh step adds the upper triangles of the refreshed factors. Replicas,
+running statistics included, stay identical. Exits non-zero on a mismatch.
+"""
+import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+
+
+class CNN(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(2, 4, 3, pad=1)
+            self.bn = L.BatchNormalization(4)
+            self.fc = L.Linear(4 * 5 * 5, 3)
+            self.emb = L.EmbedID(3, 2)
+
+    def forward(self, x, t):
+        h = self.fc(F.relu(self.bn(self.conv(x))))
+        return F.softmax_cross_entropy(h + F.sum(self.emb(t)) * 0.1, t)
+
+
+def main():
+    comm = chainerkfac.create_communicator('naive')
+    model = CNN()
+    optimizer = chainerkfac.create_multi_node_optimizer(
+        chainerkfac.optimizers.KFAC(factor_interval=3, inverse_interval=3),
+        comm)
+    optimizer.setup(model)
+    itemsize = 4
+    grads = sum(p.size for b in optimizer.blocks for p in b.params())
+    conv_a, conv_g = 2 * 9 + 1, 4
+    fc_a, fc_g = 4 * 25 + 1, 3
+    triangles = sum(d * (d + 1) // 2 for d in (conv_a, conv_g, fc_a, fc_g))
+    bn_diag = 2 * 4
+    replicated = model.emb.W.size + 2 * 4  # + avg_mean, avg_var
+    reporter = chainer.Reporter()
+    rng = numpy.random.RandomState(comm.rank)
+    for step in range(1, 5):
+        observation = {}
+        with reporter.scope(observation):
+            optimizer.update(model, rng.randn(6, 2, 5, 5).astype('f'),
+                             rng.randint(0, 3, 6).astype('i'))
+        refresh = step in (1, 4)
+        factors = triangles + bn_diag if refresh else 0
+        rates = 5 if refresh else 0  # one change rate per refreshed factor
+        expected = {
+            'kfac/bytes/reduce_scatter_v': (grads + factors) * itemsize,
+            'kfac/bytes/all_gather_v': (grads + rates) * itemsize,
+            'kfac/bytes/allreduce': replicated * itemsize,
+        }
+        for key, value in expected.items():
+            assert observation[key] == value, (step, key, observation[key],
+                                               value)
+    state = {n: p.array for n, p in model.namedparams()}
+    state['avg_mean'] = model.bn.avg_mean
+    state['avg_var'] = model.bn.avg_var
+    reference = comm.bcast_obj(state if comm.rank == 0 else None)
+    for name, value in state.items():
+        assert numpy.array_equal(value, reference[name]), name
+
+    optimizer.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    try:
+        optimizer.update(model, rng.randn(6, 2, 5, 5).astype('f'),
+                         rng.randint(0, 3, 6).astype('i'))
+    except ValueError as error:
+        assert 'GradientClipping' in str(error), error
+    else:
+        raise AssertionError('GradientClipping was not rejected')
+    if comm.rank == 0:
+        print('bytes ok')
+
+
+if __name__ == '__main__':
+    main()
