@@ -1,0 +1,122 @@
+"""train.py end to end: files -> augmentation -> distributed K-FAC ->
+evaluation -> snapshot, a resumed run, and a stop on SIGTERM."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import image_list
+import run_config
+import train
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+TRAIN = train.__file__
+SMALL = os.path.join(os.path.dirname(TRAIN), 'configs', 'small.json')
+
+
+def test_rank_snapshot():
+    for given in ('out/snapshot_iter_8', 'out/snapshot_iter_8.rank0.npz',
+                  'out/snapshot_iter_8.rank12.npz'):
+        assert train.rank_snapshot(given, 3) == \
+            'out/snapshot_iter_8.rank3.npz'
+
+
+def test_config_overrides():
+    args = train.parse_args(['t.txt', 'v.txt', '--config', 'c.json',
+                             '--acc-iters', '4', '--epochs', '2'])
+    assert train.config_overrides(args, 8) == {
+        'gpus': 8, 'acc_iters': 4, 'epochs': 2, 'iterations': None}
+    assert args.root == '.' and args.mean == os.path.join('.', 'mean.npy')
+
+
+@pytest.fixture(scope='module')
+def subset(digits, tmp_path_factory):
+    """256 training and 64 validation digits: 4 updates per epoch."""
+    folder = tmp_path_factory.mktemp('subset')
+    for name, n in (('train', 256), ('val', 64)):
+        pairs = image_list.read_list(str(digits / (name + '.txt')))
+        # Every 5th image keeps all classes in a small subset.
+        image_list.write_list(str(folder / (name + '.txt')), pairs[::5][:n])
+    return folder
+
+
+def command(digits, subset, out, *extra):
+    return [MPIEXEC, '-n', '2', sys.executable, TRAIN,
+            str(subset / 'train.txt'), str(subset / 'val.txt'),
+            '--root', str(digits), '--config', SMALL, '--out', str(out)
+            ] + list(extra)
+
+
+def read_log(out):
+    with open(os.path.join(str(out), 'log')) as f:
+        return json.load(f)
+
+
+def test_train_and_resume(digits, subset, tmp_path, run_script):
+    out = tmp_path / 'run'
+    result = run_script(command(digits, subset, out, '--epochs', '2',
+                                '--loaderjob', '0'), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = read_log(out)
+    assert [(e['epoch'], e['iteration']) for e in log] == [(1, 4), (2, 8)]
+    for entry in log:
+        assert 0 <= entry['validation/main/accuracy'] <= 1
+        assert entry['damping'] > 1e-3  # still in the 20-step warmup
+    assert log[1]['lr'] < log[0]['lr'] == 0.02  # decay from epoch 1
+    for name in ('accuracy.png', 'loss.png', 'snapshot_iter_4.rank0.npz',
+                 'snapshot_iter_8.rank1.npz'):
+        assert (out / name).exists(), name
+    config = run_config.load(str(out / 'config.json'))
+    assert config['gpus'] == 2 and config['epochs'] == 2
+
+    # Resume from the end of epoch 1 in a copy and train to epoch 3.
+    resumed = tmp_path / 'resumed'
+    shutil.copytree(str(out), str(resumed))
+    result = run_script(command(
+        digits, subset, resumed, '--epochs', '3', '--loaderjob', '0',
+        '--resume', str(resumed / 'snapshot_iter_4')), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log2 = read_log(resumed)
+    assert [(e['epoch'], e['iteration']) for e in log2] == [
+        (1, 4), (2, 8), (3, 12)]
+    assert log2[0] == log[0]  # restored from the snapshot, not re-run
+    assert log2[1]['lr'] == log[1]['lr']
+    assert (resumed / 'snapshot_iter_12.rank1.npz').exists()
+
+
+def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
+    out = tmp_path / 'run'
+    first_epoch = out / 'snapshot_iter_4.rank1.npz'
+    # Loader processes (forkserver) too: mpiexec signals the whole process
+    # group of each rank, and the loaders must survive until the rank stops.
+    with open(str(tmp_path / 'output.txt'), 'w+') as output:
+        process = subprocess.Popen(
+            command(digits, subset, out, '--epochs', '100',
+                    '--loaderjob', '1'),
+            stdout=output, stderr=subprocess.STDOUT, env=script_env)
+        try:
+            deadline = time.time() + 120
+            while not first_epoch.exists() and time.time() < deadline:
+                time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        output.seek(0)
+        text = output.read()
+    assert process.returncode == 0, text
+    assert 'stopped by a signal' in text
+    snapshots = [name for name in os.listdir(str(out))
+                 if name.startswith('snapshot_iter_')]
+    iterations = {int(name.split('.')[0].split('_')[2]) for name in snapshots}
+    # One file per rank: the epoch-1 snapshot and, at a later iteration
+    # (the signal came after both ranks agreed on iteration 4), the one
+    # taken on the signal.
+    assert len(snapshots) == 4
+    assert min(iterations) == 4 and len(iterations) == 2
