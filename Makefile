@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 PYTEST_FLAGS ?= -q
 
-.PHONY: demo test test-numpy2 test-numpy1 clean
+.PHONY: demo compare test test-numpy2 test-numpy1 clean
 
 PKG_SOURCES := setup.py chainerkfac_numpy_compat.py chainerkfac-numpy-compat.pth \
 	$(shell find chainerkfac -name '*.py')
@@ -42,8 +42,22 @@ $(eval $(call venv_rules,$(VENV),numpy>=2))
 NUMPY1 := numpy>=1.26,<2
 $(eval $(call venv_rules,$(VENV_NP1),$(NUMPY1)))
 
+# The main job: a short distributed K-FAC training (2 MPI processes) of the
+# ImageNet example on real images that ship with scikit-learn (the digits,
+# written as JPEG files), no downloads. Prints accuracy per epoch and leaves
+# plots in result/demo. One BLAS thread per process: two processes share two
+# cores.
+DEMO_DATA := result/demo/data
 demo: $(VENV)/.installed
-	$(VENV)/bin/python examples/digits/train_digits.py --out result/demo
+	$(VENV)/bin/python examples/imagenet/prepare.py digits $(DEMO_DATA)
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 \
+		$(VENV)/bin/python examples/imagenet/train.py \
+		$(DEMO_DATA)/train.txt $(DEMO_DATA)/val.txt \
+		--config examples/imagenet/configs/small.json --out result/demo
+
+# K-FAC against MomentumSGD in one process on the same digits (8x8 arrays).
+compare: $(VENV)/.installed
+	$(VENV)/bin/python examples/digits/train_digits.py --out result/compare
 
 test-numpy2: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
@@ -53,6 +67,22 @@ test-numpy1: $(VENV_NP1)/.installed
 
 # pytest exits 5 when it collects nothing; make treats that as a failure.
 test: test-numpy2 test-numpy1
+
+# The documentation site (issue #7): `make docs` builds docs/_build/html.
+# Sphinx goes into .venv beside the test requirements rather than into a venv
+# of its own: autodoc imports chainerkfac, so it needs the very Chainer, NumPy
+# and MPI stack the tests use, and a second venv would build Chainer's sdist
+# again. The stamp lives inside .venv, so a rebuilt .venv reinstalls it.
+# -W --keep-going: every warning is an error, and all of them are listed; -E:
+# a fresh environment each time, so that the warnings of pages that did not
+# change are not hidden by an incremental build.
+.PHONY: docs
+$(VENV)/.docs-deps: $(VENV)/.deps requirements-docs.txt
+	$(VENV)/bin/pip install --quiet -r requirements-docs.txt
+	touch $@
+
+docs: $(VENV)/.docs-deps
+	$(VENV)/bin/python -m sphinx -W --keep-going -E -b html docs docs/_build/html
 
 clean:
 	rm -rf $(VENV) $(VENV_NP1) result docs/_build

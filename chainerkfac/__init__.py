@@ -10,8 +10,7 @@ from chainerkfac import linalg  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import schedules  # NOQA
 from chainerkfac.curvature import NonFiniteError  # NOQA
-from chainerkfac.distributed.communicator import create_communicator  # NOQA
-from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
-    create_multi_node_optimizer)
+from chainerkfac.distributed import create_communicator  # NOQA
+from chainerkfac.distributed import create_multi_node_optimizer  # NOQA
 
 __version__ = '0.1.0'

@@ -125,6 +125,7 @@ class RefreshSchedule:
                          if isinstance(interval, Adaptive) else None)
 
     def current_interval(self, step):
+        """The interval in force at iteration ``step``."""
         if isinstance(self.policy, numbers.Integral):
             return self.policy
         if isinstance(self.policy, Adaptive):
@@ -137,6 +138,7 @@ class RefreshSchedule:
         return value
 
     def due(self, step):
+        """Whether the factor must be refreshed at iteration ``step``."""
         return self.last is None or step - self.last >= \
             self.current_interval(step)
 
@@ -147,6 +149,7 @@ class RefreshSchedule:
             self.interval = self.policy.adapt(self.interval, change_rate)
 
     def serialize(self, serializer):
+        """Saves or loads the last refresh and the adaptive interval."""
         last = serializer('last', -1 if self.last is None else self.last)
         self.last = None if int(last) < 0 else int(last)
         if self.interval is not None:

@@ -99,9 +99,11 @@ class FisherBlock:
         self._count[factor] += n_samples
 
     def has_pending_statistics(self):
+        """Whether statistics were collected since the last step."""
         return any(self._count.values())
 
     def discard_statistics(self):
+        """Drops the statistics collected since the last step."""
         self._sum = dict.fromkeys(self.factors)
         self._count = dict.fromkeys(self.factors, 0)
 
@@ -213,6 +215,17 @@ class FisherBlock:
     def describe(self):
         """A short description for :meth:`KFAC.describe`."""
         return type(self).__name__
+
+    def assignment_cost(self):
+        """``(kind, dims)`` for the layer-to-rank cost model.
+
+        See :class:`chainerkfac.distributed.BlockCost`: ``('kronecker',
+        (d_A, d_G))``, or ``('diagonal' | 'full', (size,))``. A custom block
+        used in a distributed run overrides this.
+        """
+        raise NotImplementedError(
+            '{} does not define assignment_cost(), which distributed K-FAC '
+            'needs to place it on a rank'.format(type(self).__name__))
 
     def state_bytes(self):
         """Bytes held by the stored factors and inverses."""

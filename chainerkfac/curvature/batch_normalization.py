@@ -111,6 +111,10 @@ class BatchNormalizationBlock(base.FisherBlock):
             p.grad[...] = grad[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
+    def assignment_cost(self):
+        # The cost model counts channels and doubles them for (γ, β).
+        return self.bn_fisher, (self.params()[0].size,)
+
     def describe(self):
         size = self.params()[0].size * len(self.params())
         if self.bn_fisher == 'diagonal':

@@ -99,6 +99,11 @@ class KroneckerBlock(base.FisherBlock):
         if self.has_bias:
             self.link.b.grad[...] = grad[:, d]
 
+    def assignment_cost(self):
+        W = self.link.W
+        return 'kronecker', (W.size // W.shape[0] + int(self.has_bias),
+                             W.shape[0])
+
     def describe(self):
         W = self.link.W
         if W.array is None:

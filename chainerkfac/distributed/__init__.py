@@ -13,3 +13,7 @@ from chainerkfac.distributed.communicator import create_communicator  # NOQA
 from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA
     install_global_except_hook)
+from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
+    create_multi_node_optimizer)
+from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
+    HybridParallelStages)

@@ -116,6 +116,7 @@ class Assignment:
 
     @property
     def world_size(self):
+        """Number of ranks the blocks were assigned to."""
         return len(self.loads)
 
     @property

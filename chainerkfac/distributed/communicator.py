@@ -131,6 +131,8 @@ class KfacCommunicatorMixin:
     # Configuration, in ChainerMN's style.
 
     def set_config(self, name, value=True, **kwargs):
+        """ChainerMN's configuration setter, plus ``'transport_dtype'``
+        (the dtype of the ``v`` collectives on the wire)."""
         if name == 'transport_dtype':
             if value is not None:
                 value = numpy.dtype(value)
@@ -143,6 +145,7 @@ class KfacCommunicatorMixin:
             super().set_config(name, value, **kwargs)
 
     def get_config(self, name=None):
+        """ChainerMN's configuration getter, plus ``'transport_dtype'``."""
         if name == 'transport_dtype':
             return self.transport_dtype
         return super().get_config(name)
@@ -252,6 +255,8 @@ class KfacCommunicatorMixin:
     # ChainerMN's model-wide collectives, counted and free at size 1.
 
     def multi_node_mean_grad(self, model, zero_fill=False):
+        """ChainerMN's gradient averaging, counted in :attr:`bytes_moved`
+        and free at world size 1."""
         if self.size == 1:
             if zero_fill:
                 for param in model.params():
@@ -264,6 +269,8 @@ class KfacCommunicatorMixin:
             for param in model.params() if param.grad is not None))
 
     def bcast_data(self, model):
+        """ChainerMN's parameter broadcast from rank 0, counted in
+        :attr:`bytes_moved` and free at world size 1."""
         if self.size == 1:
             return
         super().bcast_data(model)

@@ -34,17 +34,6 @@ from chainerkfac.optimizers import kfac
 logger = logging.getLogger(__name__)
 
 
-def _block_cost(block):
-    if block.factors == ('F',):
-        size = block.params()[0].size
-        return assignment_module.BlockCost(block.name, block.bn_fisher,
-                                           (size,))
-    W = block.link.W
-    d_A = W.size // W.shape[0] + int(block.has_bias)
-    return assignment_module.BlockCost(block.name, 'kronecker',
-                                       (d_A, W.shape[0]))
-
-
 def _pack(stat):
     return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
 
@@ -100,7 +89,8 @@ class HybridParallelStages(kfac.LocalStages):
 
     def _assign(self, optimizer):
         self.assignment = assignment_module.assign_blocks(
-            [_block_cost(b) for b in optimizer.blocks], self.comm.size)
+            [assignment_module.BlockCost(b.name, *b.assignment_cost())
+             for b in optimizer.blocks], self.comm.size)
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s', self.comm.size,
