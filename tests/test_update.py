@@ -306,3 +306,19 @@ def test_manual_loop_equals_update_with_lossfun():
         opt_b.update()
     for (n, p), (_, q) in zip(a.namedparams(), b.namedparams()):
         numpy.testing.assert_array_equal(p.array, q.array)
+
+
+def test_skipped_step_keeps_batch_norm_running_statistics():
+    model = chainer.Sequential(L.Linear(6, 4), L.BatchNormalization(4),
+                               L.Linear(4, 3))
+    opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
+    opt.setup(model)
+    x, t = data(dtype=numpy.float32)
+    lossfun = lambda x, t: F.softmax_cross_entropy(model(x), t)  # NOQA
+    opt.update(lossfun, x, t)
+    bn = model[1]
+    before = bn.avg_mean.copy(), bn.avg_var.copy()
+    x[0, 0] = numpy.nan
+    opt.update(lossfun, x, t)
+    numpy.testing.assert_array_equal(bn.avg_mean, before[0])
+    numpy.testing.assert_array_equal(bn.avg_var, before[1])

@@ -16,6 +16,7 @@ import logging
 import numbers
 
 import chainer
+import chainer.links as L
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
@@ -148,7 +149,9 @@ class KFAC(optimizer.GradientMethod):
             ``bn_damping_multiplier * damping``.
         nonfinite (str): On a NaN or Inf in a gradient or factor, ``'raise'``
             a :class:`~chainerkfac.curvature.NonFiniteError` naming it, or
-            ``'skip'`` the step (reported as ``kfac/skipped_steps``).
+            ``'skip'`` the step (reported as ``kfac/skipped_steps``); with
+            ``update(lossfun, ...)`` a skipped step also leaves BatchNorm's
+            running statistics as they were.
         precondition (bool): ``False`` turns K-FAC off entirely (no hooks, no
             statistics): the optimizer is then exactly MomentumSGD.
     """
@@ -285,7 +288,10 @@ class KFAC(optimizer.GradientMethod):
         any statistics collected since the last step) are used as they are.
         """
         self._stages.prepare(self)
+        running = None
         if lossfun is not None:
+            if self.nonfinite == 'skip':
+                running = self._running_statistics()
             self.target.cleargrads()
             for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
                 loss = lossfun(*chunk_args, **chunk_kwds)
@@ -305,6 +311,10 @@ class KFAC(optimizer.GradientMethod):
             self.update_curvature(stats)
             for param in self.target.params():
                 param.update()
+        elif running is not None:
+            # The skipped batch's forward pass already moved them.
+            for array, saved in running:
+                array[...] = saved
         self.reallocate_cleared_grads()
         self.call_hooks('post')
         self.update_loss_scale()
@@ -328,6 +338,15 @@ class KFAC(optimizer.GradientMethod):
         return [(tuple(part(a, i) for a in args),
                  {key: part(a, i) for key, a in kwds.items()})
                 for i in range(k)]
+
+    def _running_statistics(self):
+        """Copies of BatchNorm running means and variances, to restore them
+        when a step is skipped."""
+        return [(array, array.copy())
+                for link in self.target.links()
+                if isinstance(link, L.BatchNormalization)
+                and link.avg_mean is not None
+                for array in (link.avg_mean, link.avg_var)]
 
     def _check_finite_gradients(self):
         """False (skip) or an error when a gradient is NaN or Inf."""
