@@ -35,6 +35,7 @@ setup(
         'chainer==7.8.1',
         'numpy>=1.26',
         'scipy',
+        'threadpoolctl>=3',
         'mpi4py>=4',
     ],
     extras_require={'mpich': ['mpich']},

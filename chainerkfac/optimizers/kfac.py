@@ -20,6 +20,7 @@ import chainer.links as L
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
+from chainerkfac import cpu_parallel
 from chainerkfac import hooks
 from chainerkfac import schedules
 from chainerkfac.curvature import base
@@ -374,9 +375,9 @@ class KFAC(optimizer.GradientMethod):
         """
         step = self.t
         hp = self.hyperparam
-        inverse_refreshes = 0
         rates = {}
-        for block in self._stages.owned(self.blocks):
+        owned = self._stages.owned(self.blocks)
+        for block in owned:
             if block in stats:
                 try:
                     rates[block] = block.update_factors(
@@ -386,9 +387,15 @@ class KFAC(optimizer.GradientMethod):
                         raise
                     logger.warning('iteration %d: dropped non-finite '
                                    'statistics of %s', step, block.name)
-            if block.update_inverse(step, block.effective_damping(hp)):
-                inverse_refreshes += 1
+
+        def invert_and_precondition(block):
+            refreshed = block.update_inverse(
+                step, block.effective_damping(hp))
             block.precondition(hp.weight_decay)
+            return refreshed
+
+        inverse_refreshes = sum(cpu_parallel.map_blocks(
+            invert_and_precondition, owned))
         self._stages.gather(self, rates)
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
