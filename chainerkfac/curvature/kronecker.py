@@ -9,7 +9,7 @@ gradient of a batch-mean loss) for ``T`` positions ``t``::
     G = (1/(nT)) Σ_i Σ_t ĝ_{i,t} ĝ_{i,t}ᵀ     (mean over positions)
 
 A Linear layer has ``T = 1``. Subclasses only turn inputs and output
-gradients into rows.
+gradients into columns (one per sample and position).
 """
 from chainer import backend
 
@@ -29,34 +29,36 @@ class KroneckerBlock(base.FisherBlock):
     def params(self):
         return [self.link.W] + ([self.link.b] if self.has_bias else [])
 
-    def input_rows(self, x):
-        """Returns ``(P, n)``: input rows ``(n T, d)`` and the batch size."""
+    def input_columns(self, x):
+        """Returns ``(Q, n)``: input columns ``(d, n T)``, the batch size."""
         raise NotImplementedError
 
-    def output_rows(self, gy):
-        """Returns ``(R, n, T)``: output-gradient rows ``(n T, out)``."""
+    def output_columns(self, gy):
+        """Returns ``(Q, n)``: output-gradient columns ``(out, n T)``."""
         raise NotImplementedError
 
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
-            P, n = self.input_rows(x)
-            xp = backend.get_array_module(P)
-            ww = P.T @ P
+            Q, n = self.input_columns(x)
+            xp = backend.get_array_module(Q)
+            # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
+            ww = Q @ Q.T
             if self.has_bias:
                 d = ww.shape[0]
                 A = xp.empty((d + 1, d + 1), dtype=ww.dtype)
                 A[:d, :d] = ww
-                A[:d, d] = A[d, :d] = P.sum(axis=0)
-                A[d, d] = P.shape[0]
+                A[:d, d] = A[d, :d] = Q.sum(axis=1)
+                A[d, d] = Q.shape[1]
             else:
                 A = ww
             self._accumulate('A', A, n)
         return True if 'G' in wanted else None
 
     def backward_statistics(self, context, gy):
-        R, n, T = self.output_rows(gy)
+        Q, n = self.output_columns(gy)
+        T = Q.shape[1] // n
         # ĝ = n gy per sample; the mean over positions divides by T.
-        self._accumulate('G', (R.T @ R) * (n * n / T), n)
+        self._accumulate('G', (Q @ Q.T) * (n * n / T), n)
 
     def compute_inverse(self, damping):
         A, G = self.factor['A'], self.factor['G']

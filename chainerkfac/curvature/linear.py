@@ -9,12 +9,8 @@ class LinearBlock(kronecker.KroneckerBlock):
     batch axes of ``x`` count as ``T`` positions of one sample.
     """
 
-    def input_rows(self, x):
-        n = x.shape[0]
-        d = self.link.W.shape[1]
-        return x.reshape(-1, d), n
+    def input_columns(self, x):
+        return x.reshape(-1, self.link.W.shape[1]).T, x.shape[0]
 
-    def output_rows(self, gy):
-        n = gy.shape[0]
-        R = gy.reshape(-1, gy.shape[-1])
-        return R, n, R.shape[0] // n
+    def output_columns(self, gy):
+        return gy.reshape(-1, gy.shape[-1]).T, gy.shape[0]
