@@ -1,9 +1,12 @@
 """Runs K-FAC steps [start, stop) of a fixed run; used by test_serialization.
 
     python resume_run.py START STOP OUT [--resume SNAPSHOT]
+    mpiexec -n N python resume_run.py START STOP OUT --distributed [...]
 
 The model, data and optimizer settings are fixed, so runs that cover the same
-steps must end in the same state. Writes the model and optimizer to OUT.
+steps must end in the same state. Writes the model and optimizer to OUT.npz;
+distributed, every rank writes (and resumes from) its own OUT.rankR.npz,
+since each rank keeps the curvature of the blocks it owns.
 """
 import argparse
 
@@ -47,12 +50,18 @@ def main():
     parser.add_argument('out')
     parser.add_argument('--resume')
     parser.add_argument('--inverse', default='cholesky')
+    parser.add_argument('--distributed', action='store_true')
     args = parser.parse_args()
     model = CNN()
     optimizer = make_optimizer(args.inverse)
+    rank, size, suffix = 0, 1, ''
+    if args.distributed:
+        comm = chainerkfac.create_communicator('naive')
+        rank, size, suffix = comm.rank, comm.size, '.rank{}'.format(comm.rank)
+        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
     optimizer.setup(model)
     if args.resume:
-        state = numpy.load(args.resume)
+        state = numpy.load(args.resume + suffix + '.npz')
         chainer.serializers.NpzDeserializer(state, path='model/').load(model)
         chainer.serializers.NpzDeserializer(
             state, path='optimizer/').load(optimizer)
@@ -61,13 +70,14 @@ def main():
         rng = numpy.random.RandomState(100 + step)
         x = rng.randn(6, 1, 6, 6).astype(numpy.float32)
         t = rng.randint(0, 3, 6)
+        b = 6 // size
         optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
-                         x, t)
+                         x[rank * b:(rank + 1) * b], t[rank * b:(rank + 1) * b])
     target = {}
     chainer.serializers.DictionarySerializer(target, path='model/').save(model)
     chainer.serializers.DictionarySerializer(
         target, path='optimizer/').save(optimizer)
-    numpy.savez(args.out, **target)
+    numpy.savez(args.out + suffix, **target)
 
 
 if __name__ == '__main__':

@@ -18,27 +18,48 @@ from tests import mpi_helpers
 SCRIPT = mpi_helpers.script_path('kfac_equivalence.py')
 
 
-def single_process(tmp_path, inverse):
+def single_process(tmp_path, options):
     out = str(tmp_path / 'single.npz')
     env = dict(os.environ, PYTHONPATH=mpi_helpers.REPO_ROOT)
-    subprocess.run([sys.executable, SCRIPT, out, '--single',
-                    '--inverse', inverse], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, SCRIPT, out, '--single'] + options,
+                   check=True, env=env, timeout=120)
     return numpy.load(out)
+
+
+def assert_same_parameters(got, expected, what):
+    for name in expected.files:
+        scale = numpy.abs(expected[name]).max()
+        numpy.testing.assert_allclose(
+            got[name], expected[name], rtol=0, atol=1e-5 * scale,
+            err_msg='{}, {}'.format(what, name))
 
 
 @pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
 def test_distributed_equals_single_process(tmp_path, inverse):
-    expected = single_process(tmp_path, inverse)
+    expected = single_process(tmp_path, ['--inverse', inverse])
     for n in (2, 4):
         out = str(tmp_path / 'n{}.npz'.format(n))
         mpi_helpers.run_mpi(n, SCRIPT, [out, '--inverse', inverse],
                             timeout=180, check=True)
-        got = numpy.load(out)
-        for name in expected.files:
-            scale = numpy.abs(expected[name]).max()
-            numpy.testing.assert_allclose(
-                got[name], expected[name], rtol=0, atol=1e-5 * scale,
-                err_msg='{} ranks, {}'.format(n, name))
+        assert_same_parameters(numpy.load(out), expected,
+                               '{} ranks'.format(n))
+
+
+@pytest.mark.parametrize('n', [2, 4])
+def test_distributed_batch_norm_equals_accumulated_micro_batches(tmp_path, n):
+    # BatchNorm normalises each rank's batch on its own. One process with
+    # acc_iters=N runs the same N shards as micro-batches: gradients
+    # (averaged over shards), factors (pooled over samples) and so all
+    # parameters are exact. BatchNorm's running statistics are not (N ranks
+    # average them every step; micro-batches update them one after another)
+    # and are not compared; the script checks the ranks agree on them.
+    expected = single_process(tmp_path, ['--batch-norm',
+                                         '--acc-iters', str(n)])
+    out = str(tmp_path / 'bn{}.npz'.format(n))
+    mpi_helpers.run_mpi(n, SCRIPT, [out, '--batch-norm'], timeout=180,
+                        check=True)
+    assert_same_parameters(numpy.load(out), expected,
+                           '{} ranks with BatchNorm'.format(n))
 
 
 def test_stale_steps_move_only_gradients():

@@ -1,12 +1,14 @@
 """Trains a small CNN with K-FAC on a fixed global batch; writes the result.
 
-    mpiexec -n N python kfac_equivalence.py OUT.npz    (distributed)
-    python kfac_equivalence.py OUT.npz --single       (one process)
+    mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
+    python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
-Rank 0 writes the parameters; every rank checks that its replica is
-identical to rank 0's.
+With ``--batch-norm`` the CNN normalises each rank's batch on its own; one
+process reproduces that with ``--acc-iters N``, which runs the N shards as
+micro-batches. Rank 0 writes the parameters; every rank checks that its
+replica is identical to rank 0's.
 """
 import argparse
 
@@ -23,17 +25,21 @@ STEPS = 7
 
 
 class CNN(chainer.Chain):
-    def __init__(self):
+    def __init__(self, batch_norm=False):
         super().__init__()
         with chainer.using_config('dtype', numpy.float64), self.init_scope():
             self.conv1 = L.Convolution2D(2, 4, 3, pad=1)
+            self.bn = L.BatchNormalization(4) if batch_norm else None
             self.conv2 = L.Convolution2D(4, 4, 3, stride=2, nobias=True)
             self.fc1 = L.Linear(16, 8)
             self.fc2 = L.Linear(8, 3)
             self.emb = L.EmbedID(3, 2)  # outside K-FAC: plain momentum SGD
 
     def forward(self, x, t):
-        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        h = self.conv1(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        h = F.relu(self.conv2(F.relu(h)))
         h = self.fc2(F.tanh(self.fc1(h))) + F.sum(self.emb(t)) * 0.1
         return F.softmax_cross_entropy(h, t)
 
@@ -43,14 +49,16 @@ def main():
     parser.add_argument('out')
     parser.add_argument('--single', action='store_true')
     parser.add_argument('--inverse', default='cholesky')
+    parser.add_argument('--acc-iters', type=int, default=1)
+    parser.add_argument('--batch-norm', action='store_true')
     args = parser.parse_args()
     numpy.random.seed(0)
-    model = CNN()
+    model = CNN(args.batch_norm)
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
         factor_interval={'A': schedules.Adaptive(threshold=0.3), 'G': 2},
-        inverse_interval=3)
+        inverse_interval=3, acc_iters=args.acc_iters)
     rank, size = 0, 1
     if not args.single:
         comm = chainerkfac.create_communicator('naive')
@@ -70,6 +78,9 @@ def main():
         optimizer.update(model, x[rank * b:(rank + 1) * b],
                          t[rank * b:(rank + 1) * b])
     params = {n: p.array for n, p in model.namedparams()}
+    if args.batch_norm and not args.single:
+        # Averaged over ranks every step: the replicas agree on them too.
+        params['avg_mean'] = model.bn.avg_mean
     if not args.single:
         reference = comm.bcast_obj(params if rank == 0 else None)
         for name, value in params.items():
