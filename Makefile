@@ -84,5 +84,11 @@ $(VENV)/.docs-deps: $(VENV)/.deps requirements-docs.txt
 docs: $(VENV)/.docs-deps
 	$(VENV)/bin/python -m sphinx -W --keep-going -E -b html docs docs/_build/html
 
+# Benchmarks (issue #5): quick-mode runs of every script under benchmarks/,
+# then docs/benchmarks.md rewritten from their JSON. Never part of `make test`.
+.PHONY: bench
+bench: $(VENV)/.installed
+	PYTHONPATH=. $(VENV)/bin/python benchmarks/run_all.py
+
 clean:
 	rm -rf $(VENV) $(VENV_NP1) result docs/_build

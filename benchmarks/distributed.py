@@ -1,0 +1,315 @@
+"""Distributed K-FAC: time per stage and bytes per collective, and the
+layer-to-rank load imbalance of ResNet-50.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/distributed.py --quick
+
+runs, one after another, ``.venv/bin/mpiexec -n P`` for P in ``--ranks``
+(1, 2, 4) on this script's worker mode, then the load-imbalance table (no
+MPI). Each rank trains its own batch of the model (``--model``; default
+ResNet-50 width/4 at 32x32, 107 blocks, so the cost model has something to
+balance) with K-FAC under :func:`chainerkfac.create_multi_node_optimizer`
+and the ``'naive'`` (MPI) communicator, factors and inverses refreshed every
+``--interval`` steps. Per step and rank it records the stages (as in
+``step_time.py``; communication is the communicator's collectives, object
+collectives included) and the bytes each collective handed to MPI (the
+optimizer reports ``comm.reset_bytes_moved()`` as ``kfac/bytes/*`` every
+step). Refresh and stale steps are reported apart; the per-rank inversion
+and preconditioning times should fall as 1/P (model parallelism).
+
+The machine has 2 cores: with 4 ranks they are oversubscribed, so only the
+bytes, and the per-rank *work* split, are meaningful there, not the wall
+time.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
+import chainer
+import chainer.functions as F
+import numpy
+
+import harness
+import models as models_module
+
+
+def worker(args):
+    import chainermn  # NOQA
+    comm = chainerkfac.create_communicator('naive')
+    harness.instrument()
+    harness.instrument_communicator(comm)
+    factory, in_shape, n_classes = models_module.MODELS[args.model]
+    numpy.random.seed(0)
+    model = factory()
+    rng = numpy.random.RandomState(100 + comm.rank)
+    batch = args.batch or models_module.DEFAULT_BATCH[args.model]
+    x = rng.standard_normal((batch,) + in_shape).astype(numpy.float32)
+    t = rng.randint(0, n_classes, batch).astype(numpy.int32)
+    with chainer.no_backprop_mode(), chainer.using_config('train', False):
+        model(x[:2])
+    opt = chainerkfac.optimizers.KFAC(
+        lr=1e-3, momentum=0.9, damping=1e-3,
+        factor_interval=args.interval, inverse_interval=args.interval)
+    opt = chainerkfac.create_multi_node_optimizer(opt, comm)
+    opt.setup(model)
+    records = []
+    for i in range(args.warmup + args.steps):
+        timer = harness.StageTimer()
+        observation = {}
+        reporter = chainer.Reporter()
+        comm.mpi_comm.Barrier()
+        with harness.use_timer(timer), reporter.scope(observation):
+            t0 = time.perf_counter()
+            model.cleargrads()
+            timer.enter('forward')
+            loss = F.softmax_cross_entropy(model(x), t)
+            timer.leave()
+            timer.enter('backward')
+            loss.backward()
+            del loss
+            timer.leave()
+            timer.enter('optimizer')
+            opt.update()
+            timer.leave()
+            total = time.perf_counter() - t0
+        step = opt.t
+        if i < args.warmup:
+            continue
+        kind = 'refresh' if (step - 1) % args.interval == 0 else 'stale'
+        records.append({
+            'step': step, 'kind': kind, 'total': total,
+            'stages': timer.coarse(), 'fine': timer.fine(),
+            'bytes': {k.split('/')[-1]: float(v) for k, v
+                      in observation.items() if k.startswith('kfac/bytes/')},
+            'state_bytes': sum(b.state_bytes() for b in opt.blocks),
+            'owned_blocks': len(opt._stages.owned(opt.blocks))})
+    everyone = comm.mpi_comm.gather(records, root=0)
+    if comm.rank == 0:
+        assignment = opt._stages.assignment
+        with open(args.worker_out, 'w') as f:
+            json.dump({'size': comm.size, 'ranks': everyone,
+                       'load_imbalance': assignment.load_imbalance,
+                       'n_blocks': len(opt.blocks),
+                       'n_params': int(sum(p.size for p in model.params())),
+                       'batch_per_rank': batch}, f)
+
+
+def summarise_mpi(result):
+    """Per kind: median over steps of (max over ranks, mean over ranks)."""
+    out = {}
+    size = result['size']
+    for kind in ('refresh', 'stale'):
+        steps = [[r for r in rank if r['kind'] == kind]
+                 for rank in result['ranks']]
+        if not steps[0]:
+            continue
+        n = min(len(s) for s in steps)
+        per = {}
+        for stage in harness.STAGES + ('total',):
+            def value(rec):
+                return rec['total'] if stage == 'total' else \
+                    rec['stages'][stage]
+            max_over_ranks = [max(value(steps[r][i]) for r in range(size))
+                              for i in range(n)]
+            mean_over_ranks = [float(numpy.mean(
+                [value(steps[r][i]) for r in range(size)])) for i in range(n)]
+            per[stage] = {'max': float(numpy.median(max_over_ranks)),
+                          'mean': float(numpy.median(mean_over_ranks))}
+        nbytes = {}
+        for rank in steps:
+            for rec in rank[:n]:
+                for k, v in rec['bytes'].items():
+                    nbytes.setdefault(k, []).append(v)
+        per['bytes_per_rank'] = {k: float(numpy.mean(v))
+                                 for k, v in nbytes.items()}
+        per['steps'] = n
+        out[kind] = per
+    out['state_bytes_per_rank'] = [rank[-1]['state_bytes']
+                                   for rank in result['ranks']]
+    out['owned_blocks'] = [rank[-1]['owned_blocks']
+                           for rank in result['ranks']]
+    return out
+
+
+def run_mpi(args):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    results = {}
+    for size in [int(v) for v in args.ranks.split(',')]:
+        out = os.path.join(harness.results_dir(),
+                           '.distributed_{}.json'.format(size))
+        cmd = [mpiexec, '-n', str(size), sys.executable,
+               os.path.abspath(__file__), '--worker', '--worker-out', out,
+               '--model', args.model, '--steps', str(args.steps),
+               '--warmup', str(args.warmup), '--interval',
+               str(args.interval)]
+        if args.batch:
+            cmd += ['--batch', str(args.batch)]
+        env = dict(os.environ)
+        env['PYTHONPATH'] = os.pathsep.join(
+            [os.path.dirname(HERE)] + [p for p in env.get(
+                'PYTHONPATH', '').split(os.pathsep) if p])
+        if args.threads:
+            env['OPENBLAS_NUM_THREADS'] = str(args.threads)
+            env['OMP_NUM_THREADS'] = str(args.threads)
+        print('$', ' '.join(cmd[:3]), '...', flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            raise SystemExit('mpiexec -n {} failed'.format(size))
+        with open(out) as f:
+            raw = json.load(f)
+        os.remove(out)
+        results[size] = {'summary': summarise_mpi(raw),
+                         'load_imbalance': raw['load_imbalance'],
+                         'n_blocks': raw['n_blocks'],
+                         'n_params': raw['n_params'],
+                         'batch_per_rank': raw['batch_per_rank'],
+                         'raw': raw['ranks']}
+        print('  {} ranks: {:.0f} s'.format(size, time.time() - t0),
+              flush=True)
+    return results
+
+
+def mpi_tables(results):
+    lines = []
+    rows = []
+    for size, res in results.items():
+        for kind in ('refresh', 'stale'):
+            s = res['summary'].get(kind)
+            if not s:
+                continue
+            rows.append([str(size), kind] + [
+                '{:.4f} / {:.4f}'.format(s[st]['max'], s[st]['mean'])
+                for st in harness.STAGES + ('total',)])
+    lines.append(harness.table(rows, ['ranks', 'step'] + [
+        s + ' (max / mean over ranks, s)' if s == 'forward' else s
+        for s in harness.STAGES] + ['total']))
+    lines += ['', 'Bytes per step handed to MPI by one rank (mean over '
+              'ranks), K-FAC state per rank, owned blocks:', '']
+    rows = []
+    collectives = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'bcast')
+    for size, res in results.items():
+        for kind in ('refresh', 'stale'):
+            s = res['summary'].get(kind)
+            if not s:
+                continue
+            b = s['bytes_per_rank']
+            rows.append([str(size), kind] + [
+                harness.fmt_bytes(b.get(c, 0)) for c in collectives] + [
+                harness.fmt_bytes(sum(b.values())),
+                harness.fmt_bytes(max(res['summary']['state_bytes_per_rank'])),
+                '/'.join(map(str, res['summary']['owned_blocks'])),
+                '{:.2f}'.format(res['load_imbalance'])])
+    lines.append(harness.table(rows, ['ranks', 'step'] + list(collectives)
+                               + ['total', 'K-FAC state (max rank)',
+                                  'blocks per rank', 'cost imbalance']))
+    return '\n'.join(lines)
+
+
+def block_cost(block):
+    """The cost-model entry of a block, as the optimizer builds it."""
+    from chainerkfac.distributed import assignment
+    if hasattr(block, 'assignment_cost'):
+        return assignment.BlockCost(block.name, *block.assignment_cost())
+    if block.factors == ('F',):
+        return assignment.BlockCost(block.name, block.bn_fisher,
+                                    (block.params()[0].size,))
+    W = block.link.W
+    return assignment.BlockCost(block.name, 'kronecker', (
+        W.size // W.shape[0] + int(block.has_bias), W.shape[0]))
+
+
+def imbalance(refresh_fractions=(1.0, 0.1, 0.01)):
+    """Load imbalance (max/mean) of ResNet-50's blocks on 2 ... 1024 ranks."""
+    from chainerkfac.distributed import assignment
+    model = models_module.ResNet50(1000)
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    costs = [block_cost(b) for b in opt.blocks]
+    sizes = [2 ** k for k in range(1, 11)]
+    table = {}
+    for frac in refresh_fractions:
+        total = sum(c.cost(frac) for c in costs)
+        biggest = max(c.cost(frac) for c in costs)
+        for size in sizes:
+            lpt = assignment.assign_blocks(costs, size, frac)
+            count = assignment.assign_blocks_by_count(costs, size, frac)
+            table[(frac, size)] = {
+                'cost_model': lpt.load_imbalance,
+                'by_count': count.load_imbalance,
+                'floor': max(1.0, biggest * size / total),
+                'idle_ranks': len(lpt.idle_ranks)}
+    return {'n_blocks': len(costs), 'sizes': sizes,
+            'refresh_fractions': list(refresh_fractions),
+            'table': {'{}@{}'.format(f, s): v for (f, s), v in table.items()}}
+
+
+def imbalance_table(imb):
+    rows = []
+    for size in imb['sizes']:
+        row = [str(size)]
+        for frac in imb['refresh_fractions']:
+            v = imb['table']['{}@{}'.format(frac, size)]
+            row.append('{:.2f} / {:.2f} / {:.2f}'.format(
+                v['cost_model'], v['by_count'], v['floor']))
+        row.append(str(imb['table']['1.0@{}'.format(size)]['idle_ranks']))
+        rows.append(row)
+    return harness.table(rows, ['ranks'] + [
+        'refresh {:g}: cost model / by count / floor'.format(f)
+        for f in imb['refresh_fractions']] + ['idle ranks'])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--worker', action='store_true',
+                        help=argparse.SUPPRESS)
+    parser.add_argument('--worker-out', help=argparse.SUPPRESS)
+    parser.add_argument('--model', default='resnet50_w4_32')
+    parser.add_argument('--batch', type=int, default=None)
+    parser.add_argument('--ranks', default='1,2,4')
+    parser.add_argument('--steps', type=int, default=None)
+    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--interval', type=int, default=5,
+                        help='factor and inverse interval')
+    parser.add_argument('--threads', type=int, default=1,
+                        help='BLAS threads per rank (default 1: 2 ranks '
+                        'fill the 2 cores)')
+    parser.add_argument('--skip-mpi', action='store_true')
+    parser.add_argument('--quick', action='store_true')
+    parser.add_argument('--out', default='distributed.json')
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 10 if args.quick else 40
+    if args.worker:
+        return worker(args)
+    payload = {'script': 'distributed', 'argv': sys.argv[1:],
+               'environment': harness.environment(), 'model': args.model,
+               'interval': args.interval}
+    texts = []
+    if not args.skip_mpi:
+        results = run_mpi(args)
+        payload['mpi'] = {str(k): v for k, v in results.items()}
+        text = mpi_tables(results)
+        texts.append(text)
+        print(text, flush=True)
+    imb = imbalance()
+    payload['imbalance'] = imb
+    text = ('Load imbalance (max/mean rank cost) of ResNet-50\'s {} blocks; '
+            'floor = max(1, largest block x ranks / total)\n\n'.format(
+                imb['n_blocks']) + imbalance_table(imb))
+    texts.append(text)
+    print(text)
+    payload['tables'] = texts
+    print('written', harness.write_json(args.out, payload))
+    return payload
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,99 @@
+"""The flop model of issue #5: K-FAC's work relative to forward+backward.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/flops.py [--model resnet50]
+
+Shapes come from one forward pass at batch 1 with a link hook; counts are
+per step at ``--batch``:
+
+* forward+backward: 3 x the forward's multiply-adds x 2 (convolutions and
+  Linear layers only; BatchNorm and ReLU are memory-bound, not counted);
+* A factor: ``2 n T d_A^2`` as a GEMM (``n T d_A^2`` as the ``syrk`` NumPy
+  uses for ``Q @ Q.T``), T output positions, ``d_A = c kh kw (+1)``;
+* G factor: ``2 n T d_G^2`` (``syrk``: half);
+* inverses: ``d_A^3 + d_G^3`` (Cholesky ``potrf`` + ``potri``);
+* preconditioning: ``2 d_G d_A (d_A + d_G)`` (two GEMMs).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import chainerkfac  # NOQA
+import chainer
+import chainer.links as L
+import numpy
+
+import models as models_module
+
+
+class _Shapes(chainer.LinkHook):
+    name = 'bench_shapes'
+
+    def __init__(self):
+        self.rows = []
+
+    def forward_postprocess(self, args):
+        link = args.link
+        if isinstance(link, (L.Convolution2D, L.Linear)):
+            x = args.args[0]
+            y = args.out
+            W = link.W
+            d_a = W.size // W.shape[0] + int(getattr(link, 'b', None)
+                                              is not None)
+            d_g = W.shape[0]
+            T = int(numpy.prod(y.shape[2:])) if y.ndim > 2 else 1
+            self.rows.append({'kind': type(link).__name__, 'd_A': d_a,
+                              'd_G': d_g, 'T': T,
+                              'macs_per_sample': T * (W.size // W.shape[0])
+                              * d_g})
+            del x
+
+
+def flop_model(model_name='resnet50', batch=32):
+    factory, in_shape, _ = models_module.MODELS[model_name]
+    model = factory()
+    hook = _Shapes()
+    x = numpy.zeros((1,) + in_shape, dtype=numpy.float32)
+    with hook, chainer.using_config('train', False), \
+            chainer.no_backprop_mode():
+        model(x)
+    n = batch
+    fb = sum(6 * n * r['macs_per_sample'] for r in hook.rows)
+    conv = [r for r in hook.rows if r['kind'] == 'Convolution2D']
+    a_gemm = sum(2 * n * r['T'] * r['d_A'] ** 2 for r in hook.rows)
+    a_conv = sum(2 * n * r['T'] * r['d_A'] ** 2 for r in conv)
+    g_gemm = sum(2 * n * r['T'] * r['d_G'] ** 2 for r in hook.rows)
+    inv = sum(r['d_A'] ** 3 + r['d_G'] ** 3 for r in hook.rows)
+    pre = sum(2 * r['d_G'] * r['d_A'] * (r['d_A'] + r['d_G'])
+              for r in hook.rows)
+    return {
+        'model': model_name, 'batch': batch, 'layers': len(hook.rows),
+        'forward_backward_gflop': fb / 1e9,
+        'relative': {
+            'A factors (GEMM)': a_gemm / fb,
+            'A factors, conv only (GEMM)': a_conv / fb,
+            'A factors (syrk, as NumPy runs Q @ Q.T)': a_gemm / 2 / fb,
+            'G factors (GEMM)': g_gemm / fb,
+            'G factors (syrk)': g_gemm / 2 / fb,
+            'inverses (potrf + potri)': inv / fb,
+            'preconditioning': pre / fb,
+        },
+        'largest_d_A': max(r['d_A'] for r in hook.rows),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--model', default='resnet50')
+    parser.add_argument('--batch', type=int, default=32)
+    args = parser.parse_args()
+    m = flop_model(args.model, args.batch)
+    print('{} batch {}: forward+backward {:.0f} GFLOP'.format(
+        m['model'], m['batch'], m['forward_backward_gflop']))
+    for k, v in m['relative'].items():
+        print('  {:45s} {:.3f}'.format(k, v))
+
+
+if __name__ == '__main__':
+    main()

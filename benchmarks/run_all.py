@@ -1,0 +1,308 @@
+"""Regenerates every benchmark (``--quick`` by default) and docs/benchmarks.md.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/run_all.py            # quick
+    PYTHONPATH=. .venv/bin/python benchmarks/run_all.py --full     # hours
+    PYTHONPATH=. .venv/bin/python benchmarks/run_all.py --docs-only
+
+Runs ``step_time``, ``time_to_accuracy``, ``distributed`` and ``peer`` one
+after another (each writes its JSON under ``benchmarks/results/``), then
+rewrites ``docs/benchmarks.md`` from those JSON files: the tables, the plots
+(copied to ``docs/benchmarks_figures/``), the exact commands and the flop
+model. ``--skip NAME,...`` keeps a script's previous JSON.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import harness  # NOQA: E402  (imports chainerkfac first)
+
+SCRIPTS = ('step_time', 'time_to_accuracy', 'distributed', 'peer')
+PREFIX = 'PYTHONPATH=. .venv/bin/python benchmarks/'
+DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
+FIGURES = os.path.join(ROOT, 'docs', 'benchmarks_figures')
+
+
+def commands(full):
+    flag = '' if full else ' --quick'
+    return {name: PREFIX + name + '.py' + flag for name in SCRIPTS}
+
+
+def run(name, command):
+    print('\n#', command, flush=True)
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep)
+                  if p])
+    args = command.split()[1:]  # drop PYTHONPATH=.
+    args[0] = sys.executable
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=ROOT, env=env)
+    print('# {} took {:.0f} s (exit {})'.format(name, time.time() - t0,
+                                                proc.returncode), flush=True)
+    return proc.returncode
+
+
+def load(name):
+    path = os.path.join(harness.results_dir(), name + '.json')
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+# -- figures --------------------------------------------------------------------
+
+def stage_figure(step, path):
+    """Stacked bars: mean seconds per stage, per configuration and kind."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    model_names = list(step['models'])
+    fig, axes = plt.subplots(1, len(model_names),
+                             figsize=(5.5 * len(model_names), 4.2),
+                             squeeze=False)
+    colors = dict(zip(harness.STAGES, ('#4c72b0', '#55a868', '#c44e52',
+                                       '#8172b2', '#ccb974', '#64b5cd',
+                                       '#999999')))
+    for ax, model in zip(axes[0], model_names):
+        res = step['models'][model]['results']
+        labels, bars = [], []
+        for cfg, r in res.items():
+            for kind, st in r['stages'].items():
+                if kind == 'factors':
+                    continue
+                labels.append('{}\n{}'.format(cfg.replace('kfac_', 'K '),
+                                              kind))
+                bars.append(st)
+        bottom = [0.0] * len(bars)
+        for stage in harness.STAGES:
+            vals = [b[stage] for b in bars]
+            if not any(vals):
+                continue
+            ax.bar(range(len(bars)), vals, bottom=bottom, label=stage,
+                   color=colors[stage])
+            bottom = [a + b for a, b in zip(bottom, vals)]
+        ax.set_xticks(range(len(bars)))
+        ax.set_xticklabels(labels, rotation=60, fontsize=7, ha='right')
+        ax.set_ylabel('seconds per step (mean)')
+        ax.set_title(step['models'][model]['info'].get('description', model),
+                     fontsize=9)
+        ax.grid(axis='y', alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# -- the document -----------------------------------------------------------------
+
+def _env_line(payload):
+    env = payload.get('environment', {})
+    blas = env.get('blas') or []
+    threads = ', '.join(sorted({'{} {} threads'.format(
+        b.get('internal_api'), b.get('num_threads')) for b in blas}))
+    load_avg = env.get('load_average')
+    return ('Python {}, NumPy {}, Chainer {}, {} CPUs ({}); load average '
+            'at the start {}.'.format(
+                env.get('python'), env.get('numpy'), env.get('chainer'),
+                env.get('cpus'), threads or 'BLAS unknown',
+                ', '.join('{:.1f}'.format(v) for v in load_avg)
+                if load_avg else 'unknown'))
+
+
+def _flop_section(step):
+    import flops
+    lines = []
+    m = flops.flop_model('resnet50', 32)
+    lines += ['Counted from the layer shapes of ResNet-50 at 224x224, '
+              'batch 32 (`benchmarks/flops.py`): forward+backward {:.0f} '
+              'GFLOP (convolutions and the classifier; the issue\'s 785 '
+              'also counted BatchNorm).'.format(m['forward_backward_gflop']),
+              '']
+    rows = [[k, '{:.2f}'.format(v)] for k, v in m['relative'].items()]
+    lines.append(harness.table(rows, ['work per step', 'x forward+backward']))
+    lines += ['', 'The issue counted the inverses as 0.19: `potrf` alone '
+              '(d^3/3); `potrf` + `potri` is d^3. NumPy runs `P.T @ P` and '
+              '`Q @ Q.T` as `syrk`, so the A and G factors cost half their '
+              'GEMM count.', '']
+    measured = []
+    for model, entry in (step or {}).get('models', {}).items():
+        res = entry['results']
+        sgd = res.get('sgd', {}).get('stages', {}).get('sgd')
+        ref = res.get('kfac_1', {}).get('fine', {}).get('refresh')
+        if not sgd or not ref:
+            continue
+        fb = sgd['forward'] + sgd['backward']
+        measured.append([
+            model, harness.fmt_s(fb),
+            '{:.2f}'.format(ref.get('stats_forward', 0) / fb),
+            '{:.2f}'.format(ref.get('stats_backward', 0) / fb),
+            '{:.2f}'.format((ref.get('stats_take', 0)
+                             + ref.get('factor_update', 0)) / fb),
+            '{:.2f}'.format(ref.get('inversion', 0) / fb),
+            '{:.2f}'.format(ref.get('precondition', 0) / fb)])
+    if measured:
+        lines += ['Measured (mean seconds of `kfac_1` stages over the SGD '
+                  'step\'s forward+backward, same run):', '']
+        lines.append(harness.table(measured, [
+            'model', 'SGD forward+backward', 'A statistics (hooks, '
+            'forward)', 'G and BatchNorm statistics (hooks, backward)',
+            'folding (mean, EMA, checks)', 'inverses', 'preconditioning']))
+        lines.append('')
+    return lines
+
+
+def write_doc(full):
+    step = load('step_time')
+    tta = load('time_to_accuracy')
+    dist = load('distributed')
+    peer = load('peer')
+    os.makedirs(FIGURES, exist_ok=True)
+    cmds = commands(full)
+    lines = [
+        '# Benchmarks',
+        '',
+        'Generated by `benchmarks/run_all.py` from the JSON files in '
+        '`benchmarks/results/`; do not edit by hand. Regenerate with',
+        '',
+        '```',
+        PREFIX + 'run_all.py' + ('' if not full else ' --full'),
+        '```',
+        '',
+        'which runs, from the repository root:',
+        '',
+        '```',
+    ] + [cmds[n] for n in SCRIPTS] + [
+        '```',
+        '',
+        'These numbers come from a shared 2-core CPU machine: the '
+        'configurations of each table run interleaved (round-robin, one '
+        'step each) so that changes of load hit all alike, and every time '
+        'is a median with its quartiles. Quick mode times few steps: '
+        'treat differences under about 20% as noise.',
+        '',
+    ]
+    if step:
+        lines += ['## Step time: K-FAC against MomentumSGD', '',
+                  _env_line(step), '',
+                  'Configurations: ' + '; '.join(
+                      '`{}` {}'.format(k, v) for k, v in next(iter(
+                          step['models'].values()))['info'][
+                              'configs'].items()) + '.', '',
+                  'Stale step: median of the steps that refreshed nothing. '
+                  'Amortised: the median of each kind of step (refresh, '
+                  'factors only, stale) weighted by how often the '
+                  'schedule runs it over 1,000 steps; `*` marks a kind '
+                  'not seen in the timed window and taken from `kfac_1` '
+                  '(see `benchmarks/step_time.py`). KFAC/SGD per round: '
+                  'each K-FAC step over the SGD step of the same round.', '']
+        for model, entry in step['models'].items():
+            table = entry['table'].replace('### ', '### ', 1)
+            lines += [table, '']
+        fig = os.path.join(FIGURES, 'step_time_stages.png')
+        stage_figure(step, fig)
+        lines += ['![Mean time per stage](benchmarks_figures/'
+                  'step_time_stages.png)', '']
+    patches = load('step_time_patches')
+    if patches:
+        import patches as patches_module
+        lines += ['## Proposed changes, measured A/B', '',
+                  '`benchmarks/patches.py` holds changes proposed for the '
+                  'library, applied at run time only around the steps of '
+                  'the configurations named `CONFIG+PATCH` (so patched and '
+                  'unpatched steps interleave in one run); '
+                  '`benchmarks/check_patches.py` checks that they keep the '
+                  'numerics. Patches:', '']
+        for name, make in patches_module.PATCHES.items():
+            lines.append('- `{}`: {}'.format(name, make().doc))
+        lines += ['', 'Command: `{}`'.format(
+            PREFIX + 'step_time.py ' + ' '.join(patches['argv'])), '',
+            _env_line(patches), '']
+        for model, entry in patches['models'].items():
+            lines += [entry['table'], '']
+    lines += ['## Flop model (issue #5), updated', '']
+    lines += _flop_section(step)
+    if peer:
+        lines += ['## Peer: kfac-jax', '',
+                  'kfac-jax in its own environment (`benchmarks/.venv-peer`,'
+                  ' created by `benchmarks/peer.py`; never a dependency of '
+                  'the library), JAX on the CPU, the same models and '
+                  'batches, jitted steps. Compare its KFAC/SGD ratios with '
+                  'ours above (each against its own framework\'s SGD).', '']
+        if payload_error(peer):
+            lines += ['The peer could not run: `{}`'.format(
+                payload_error(peer)), '']
+        for model, entry in peer.get('models', {}).items():
+            if 'table' in entry:
+                lines += [entry['table'], '']
+            else:
+                lines += ['{}: failed: `{}`'.format(
+                    model, entry.get('error', '?')[-300:]), '']
+    if tta:
+        lines += ['## Time to accuracy', '',
+                  _env_line(tta), '',
+                  'K-FAC intervals (factors, inverses): {}. Medians over '
+                  'the seeds of the best learning rate of each grid; '
+                  'wall-clock counts training steps only.'.format(
+                      tuple(tta['kfac_intervals'])), '']
+        for task, entry in tta['tasks'].items():
+            png = entry['plot']
+            shutil.copy(os.path.join(harness.results_dir(), png),
+                        os.path.join(FIGURES, png))
+            lines += [entry['table'], '',
+                      '{} seeds, at most {} iterations, {} training and {} '
+                      'validation samples, learning rates {}.'.format(
+                          entry['seeds'], entry['max_iter'],
+                          entry['n_train'], entry['n_val'],
+                          entry.get('lr_grid')), '',
+                      '![{}](benchmarks_figures/{})'.format(task, png), '']
+    if dist:
+        lines += ['## Distributed', '',
+                  _env_line(dist), '',
+                  'Model `{}`, factors and inverses every {} steps, '
+                  '`.venv/bin/mpiexec -n P`. Stage times: median over steps '
+                  'of the slowest rank / of the mean rank. With 4 ranks the '
+                  '2 cores are oversubscribed: read the bytes and the '
+                  'per-rank split, not the wall time.'.format(
+                      dist['model'], dist['interval']), '']
+        lines += [t for t in dist['tables'] for t in (t, '')]
+    with open(DOC, 'w') as f:
+        f.write('\n'.join(lines).rstrip() + '\n')
+    print('written', DOC)
+
+
+def payload_error(payload):
+    return payload.get('error')
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--full', action='store_true')
+    parser.add_argument('--docs-only', action='store_true')
+    parser.add_argument('--skip', default='')
+    args = parser.parse_args(argv)
+    failed = []
+    if not args.docs_only:
+        skip = set(filter(None, args.skip.split(',')))
+        for name, command in commands(args.full).items():
+            if name in skip:
+                continue
+            if run(name, command) != 0:
+                failed.append(name)
+    write_doc(args.full)
+    if failed:
+        print('failed:', ', '.join(failed))
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""Iterations and wall-clock to a target accuracy: K-FAC vs MomentumSGD.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/time_to_accuracy.py --quick
+    PYTHONPATH=. .venv/bin/python benchmarks/time_to_accuracy.py   # full
+
+Two tasks:
+
+* ``digits``: scikit-learn's 1,797 real 8x8 digits, with the model and
+  loader of ``examples/digits/train_digits.py``; target 95% validation
+  accuracy.
+* ``teacher``: a synthetic teacher-student task. A fixed random CNN (the
+  teacher, seed 1234) labels spatially smoothed Gaussian 32x32x3 images into
+  10 classes (logits standardised per class so the classes are balanced);
+  a student CNN with BatchNorm (three 3x3 convolutions, 8-16-32 channels)
+  learns it from tens of thousands of samples.
+  Target: 50% validation accuracy (``--target-teacher``; 30% with
+  ``--quick``, which also tries one learning rate per optimizer there).
+
+Each optimizer gets a small learning-rate grid and several seeds, at a small
+and a large batch. A run stops at the target or at the iteration cap. For
+each (task, batch, optimizer) the learning rate with the lowest median
+iterations-to-target over the seeds is reported (a run that misses the
+target counts as infinitely slow), with its median wall-clock (training time
+only: evaluation excluded). Plots: ``benchmarks/results/tta_<task>.png``.
+"""
+import argparse
+import copy
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, '..', 'examples', 'digits'))
+
+import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+
+import harness
+
+
+WIDTHS = (8, 16, 32)
+
+
+class TeacherCNN(chainer.Chain):
+    """conv 5x5/2 - ReLU - conv 3x3/2 - ReLU, average pooling, FC: no BN."""
+
+    def __init__(self, n_classes=10):
+        super().__init__()
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, 16, 5, 2, 2)
+            self.conv2 = L.Convolution2D(16, 16, 3, 2, 1)
+            self.fc = L.Linear(16, n_classes)
+
+    def forward(self, x):
+        h = F.relu(self.conv1(x))
+        h = F.relu(self.conv2(h))
+        return self.fc(F.average(h, axis=(2, 3)))
+
+
+class StudentCNN(chainer.Chain):
+    """conv-BN-ReLU x3 (3x3; strides 1, 2, 2), average pooling, FC."""
+
+    def __init__(self, widths=WIDTHS, n_classes=10):
+        super().__init__()
+        c1, c2, c3 = widths
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, c1, 3, 1, 1, nobias=True)
+            self.bn1 = L.BatchNormalization(c1)
+            self.conv2 = L.Convolution2D(c1, c2, 3, 2, 1, nobias=True)
+            self.bn2 = L.BatchNormalization(c2)
+            self.conv3 = L.Convolution2D(c2, c3, 3, 2, 1, nobias=True)
+            self.bn3 = L.BatchNormalization(c3)
+            self.fc = L.Linear(c3, n_classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        h = F.relu(self.bn3(self.conv3(h)))
+        return self.fc(F.average(h, axis=(2, 3)))
+
+
+def teacher_data(n_train, n_val, seed=1234, margin=0.0):
+    """Smoothed Gaussian images labelled by a fixed random teacher CNN.
+
+    The teacher's logits are standardised per class (balanced classes);
+    with ``margin > 0`` only samples whose top logit beats the runner-up by
+    that many standard deviations are kept.
+    """
+    from scipy import ndimage
+    rng = numpy.random.RandomState(seed)
+    numpy.random.seed(seed)
+    teacher = TeacherCNN()
+    xs, ys, have = [], [], 0
+    while have < n_train + n_val:
+        x = rng.standard_normal((4000, 3, 32, 32)).astype(numpy.float32)
+        x = ndimage.uniform_filter(x, size=(1, 1, 3, 3), mode='wrap')
+        x *= 3.0  # unit variance after the 3x3 box filter
+        with chainer.using_config('train', False), \
+                chainer.no_backprop_mode():
+            logits = teacher(x).array
+        if not xs:
+            centre, scale = logits.mean(axis=0), logits.std(axis=0)
+        z = (logits - centre) / scale
+        top2 = numpy.sort(z, axis=1)[:, -2:]
+        keep = top2[:, 1] - top2[:, 0] >= margin if margin else \
+            numpy.ones(len(z), dtype=bool)
+        xs.append(x[keep])
+        ys.append(z[keep].argmax(axis=1).astype(numpy.int32))
+        have += int(keep.sum())
+    x = numpy.concatenate(xs)[:n_train + n_val]
+    y = numpy.concatenate(ys)[:n_train + n_val]
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+
+
+def digits_data():
+    import train_digits
+    train, val = train_digits.load_digits()
+    return ((numpy.stack([a for a, _ in train]),
+             numpy.array([b for _, b in train], dtype=numpy.int32)),
+            (numpy.stack([a for a, _ in val]),
+             numpy.array([b for _, b in val], dtype=numpy.int32)))
+
+
+def digits_model():
+    import train_digits
+    return train_digits.SmallCNN()
+
+
+TASKS = {
+    # batches: (small, large) in the full run and in --quick
+    'digits': dict(data=digits_data, model=digits_model, batches=(32, 512),
+                   quick_batches=(32, 512), target=0.95, max_iter=400,
+                   eval_every=5),
+    'teacher': dict(data=None, model=StudentCNN, batches=(128, 1024),
+                    quick_batches=(64, 256), target=0.5, quick_target=0.30,
+                    max_iter=600, quick_max_iter=150, eval_every=10,
+                    quick_lr_grid={'sgd': (0.1,), 'kfac': (0.03,)}),
+}
+
+LR_GRID = {'sgd': (0.03, 0.1, 0.3), 'kfac': (0.01, 0.03, 0.1)}
+QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
+
+
+def make_optimizer(name, lr, intervals):
+    if name == 'sgd':
+        return chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+    f, i = intervals
+    return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, damping=1e-3,
+                                       factor_interval=f, inverse_interval=i)
+
+
+def accuracy(model, x, y):
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        correct = 0
+        for i in range(0, len(x), 2048):
+            correct += int((model(x[i:i + 2048]).array.argmax(axis=1)
+                            == y[i:i + 2048]).sum())
+    return correct / len(x)
+
+
+def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
+    (x_tr, y_tr), (x_val, y_val) = data
+    numpy.random.seed(seed)
+    model = task['model']()
+    optimizer = make_optimizer(opt_name, lr, intervals)
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(seed)
+    order, pos = rng.permutation(len(x_tr)), 0
+    curve, wall, reached = [], 0.0, None
+    for it in range(1, max_iter + 1):
+        if pos + batch > len(order):
+            order, pos = rng.permutation(len(x_tr)), 0
+        idx = order[pos:pos + batch]
+        pos += batch
+        t0 = time.perf_counter()
+        model.cleargrads()
+        loss = F.softmax_cross_entropy(model(x_tr[idx]), y_tr[idx])
+        loss.backward()
+        loss_value = float(loss.array)
+        del loss
+        optimizer.update()
+        wall += time.perf_counter() - t0
+        if not numpy.isfinite(loss_value):
+            break
+        if it % task['eval_every'] == 0 or it == max_iter:
+            acc = accuracy(model, x_val, y_val)
+            curve.append((it, wall, acc, loss_value))
+            if acc >= task['target']:
+                reached = (it, wall)
+                break
+    return {'curve': curve, 'iterations': reached[0] if reached else None,
+            'wall': reached[1] if reached else None}
+
+
+def _median(values):
+    values = sorted(float('inf') if v is None else v for v in values)
+    m = values[len(values) // 2] if len(values) % 2 else \
+        0.5 * (values[len(values) // 2 - 1] + values[len(values) // 2])
+    return None if m == float('inf') else m
+
+
+def summarise(runs):
+    """Best learning rate per (batch, optimizer) and its medians."""
+    best = {}
+    for (batch, opt, lr), seeds in runs.items():
+        its = _median([r['iterations'] for r in seeds])
+        wall = _median([r['wall'] for r in seeds])
+        reached = sum(r['iterations'] is not None for r in seeds)
+        key = (batch, opt)
+        cand = {'lr': lr, 'iterations': its, 'wall': wall,
+                'reached': '{}/{}'.format(reached, len(seeds))}
+        old = best.get(key)
+        score = float('inf') if its is None else its
+        if old is None or score < (float('inf') if old['iterations'] is None
+                                   else old['iterations']):
+            best[key] = cand
+    return best
+
+
+def plot(task_name, runs, best, target, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    batches = sorted({b for b, _ in best})
+    fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7),
+                             squeeze=False)
+    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red'}
+    for col, batch in enumerate(batches):
+        for opt in ('sgd', 'kfac'):
+            if (batch, opt) not in best:
+                continue
+            lr = best[(batch, opt)]['lr']
+            for k, r in enumerate(runs[(batch, opt, lr)]):
+                c = r['curve']
+                if not c:
+                    continue
+                label = '{} lr={}'.format(opt, lr) if k == 0 else None
+                axes[0, col].plot([p[0] for p in c], [p[2] for p in c],
+                                  color=colors[opt], alpha=0.7, label=label)
+                axes[1, col].plot([p[1] for p in c], [p[2] for p in c],
+                                  color=colors[opt], alpha=0.7, label=label)
+        for row, xlabel in enumerate(('iteration', 'training wall-clock (s)')):
+            ax = axes[row, col]
+            ax.axhline(target, color='gray', ls='--', lw=0.8)
+            ax.set(xlabel=xlabel, ylabel='validation accuracy',
+                   title='{}, batch {}'.format(task_name, batch))
+            ax.grid(alpha=0.3)
+            ax.legend(loc='lower right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--tasks', default='digits,teacher')
+    parser.add_argument('--seeds', type=int, default=None)
+    parser.add_argument('--quick', action='store_true')
+    parser.add_argument('--kfac-intervals', default='1,1',
+                        help='factor,inverse interval of K-FAC')
+    parser.add_argument('--n-train', type=int, default=None,
+                        help='teacher task: training samples')
+    parser.add_argument('--target-teacher', type=float, default=None)
+    parser.add_argument('--target-digits', type=float, default=None)
+    parser.add_argument('--threads', type=int, default=None)
+    parser.add_argument('--out', default='time_to_accuracy.json')
+    args = parser.parse_args(argv)
+    harness.limit_threads(args.threads)
+    intervals = tuple(int(v) for v in args.kfac_intervals.split(','))
+    grid = QUICK_LR_GRID if args.quick else LR_GRID
+    n_train = args.n_train or (20000 if args.quick else 40000)
+    payload = {'script': 'time_to_accuracy', 'argv': sys.argv[1:],
+               'environment': harness.environment(),
+               'kfac_intervals': intervals, 'lr_grid': grid, 'tasks': {}}
+    for task_name in args.tasks.split(','):
+        task = dict(TASKS[task_name])
+        task_grid = grid
+        if args.quick:
+            task['batches'] = task['quick_batches']
+            task['target'] = task.get('quick_target', task['target'])
+            task['max_iter'] = task.get('quick_max_iter',
+                                        task['max_iter'] // 2)
+            task_grid = task.get('quick_lr_grid', grid)
+        # --quick: two seeds on digits, one on the (slower) teacher task.
+        seeds = args.seeds or (3 if not args.quick else
+                               2 if task_name == 'digits' else 1)
+        if task_name == 'teacher':
+            data = teacher_data(n_train, 2000 if args.quick else 4000)
+            if args.target_teacher:
+                task['target'] = args.target_teacher
+        else:
+            data = task['data']()
+            if args.target_digits:
+                task['target'] = args.target_digits
+        max_iter = task['max_iter']
+        print('== {}: {} train / {} val samples, target {:.0%}, '
+              'at most {} iterations =='.format(
+                  task_name, len(data[0][0]), len(data[1][0]),
+                  task['target'], max_iter), flush=True)
+        runs = {}
+        # Seeds outermost and optimizers alternating, so that a change in
+        # the machine's load is shared between them.
+        for seed in range(seeds):
+            for batch in task['batches']:
+                for k in range(len(task_grid['sgd'])):
+                    for opt in ('sgd', 'kfac'):
+                        lr = task_grid[opt][k]
+                        r = train_run(task, data, opt, lr, batch, seed,
+                                      intervals, max_iter)
+                        runs.setdefault((batch, opt, lr), []).append(r)
+                        print('  seed {} batch {:5d} {:4s} lr {:<5} -> {}'
+                              .format(seed, batch, opt, lr,
+                                      'target at iteration {} ({})'.format(
+                                          r['iterations'],
+                                          harness.fmt_s(r['wall']))
+                                      if r['iterations'] else
+                                      'missed (best {:.3f})'.format(
+                                          max([c[2] for c in r['curve']]
+                                              or [0]))), flush=True)
+        best = summarise(runs)
+        rows = []
+        for batch in task['batches']:
+            s, k = best.get((batch, 'sgd')), best.get((batch, 'kfac'))
+            ratio_it = (k['iterations'] / s['iterations']
+                        if s and k and s['iterations'] and k['iterations']
+                        else None)
+            ratio_wall = (k['wall'] / s['wall']
+                          if s and k and s['wall'] and k['wall'] else None)
+            for name, b in (('sgd', s), ('kfac', k)):
+                rows.append([str(batch), name, str(b['lr']),
+                             str(b['iterations']), harness.fmt_s(b['wall']),
+                             b['reached'],
+                             '' if name == 'sgd' else
+                             ('{:.2f}'.format(ratio_it) if ratio_it
+                              else '-'),
+                             '' if name == 'sgd' else
+                             ('{:.2f}'.format(ratio_wall) if ratio_wall
+                              else '-')])
+        text = '### {} (target {:.0%} validation accuracy)\n\n'.format(
+            task_name, task['target']) + harness.table(rows, [
+                'batch', 'optimizer', 'best lr', 'median iterations',
+                'median wall-clock', 'seeds reaching', 'KFAC/SGD iterations',
+                'KFAC/SGD wall-clock'])
+        print(text, flush=True)
+        png = os.path.join(harness.results_dir(),
+                           'tta_{}.png'.format(task_name))
+        plot(task_name, runs, best, task['target'], png)
+        payload['tasks'][task_name] = {
+            'target': task['target'], 'max_iter': max_iter, 'seeds': seeds,
+            'lr_grid': task_grid,
+            'batches': task['batches'],
+            'n_train': len(data[0][0]), 'n_val': len(data[1][0]),
+            'runs': [{'batch': b, 'optimizer': o, 'lr': lr, 'seeds': rs}
+                     for (b, o, lr), rs in runs.items()],
+            'best': [dict(batch=b, optimizer=o, **v)
+                     for (b, o), v in best.items()],
+            'table': text, 'plot': os.path.relpath(png, harness.results_dir())}
+        path = harness.write_json(args.out, payload)
+    print('written', path)
+    return payload
+
+
+if __name__ == '__main__':
+    main()
