@@ -6,6 +6,7 @@ is applied before Chainer is imported (see :mod:`chainerkfac._compat`).
 from chainerkfac import _compat  # NOQA  (must precede any Chainer import)
 
 from chainerkfac import curvature  # NOQA
+from chainerkfac import cpu_parallel  # NOQA
 from chainerkfac import linalg  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import schedules  # NOQA

@@ -30,13 +30,13 @@ def _controller():
 
 
 def _pool(workers):
-    pool = _state.get('pool')
-    if pool is None or pool._max_workers != workers:
-        if pool is not None:
-            pool.shutdown()
-        pool = _state['pool'] = concurrent.futures.ThreadPoolExecutor(
+    if _state.get('workers') != workers:
+        if 'pool' in _state:
+            _state['pool'].shutdown()
+        _state['pool'] = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix='chainerkfac')
-    return pool
+        _state['workers'] = workers
+    return _state['pool']
 
 
 def map_blocks(function, blocks):

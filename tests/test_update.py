@@ -322,3 +322,13 @@ def test_skipped_step_keeps_batch_norm_running_statistics():
     opt.update(lossfun, x, t)
     numpy.testing.assert_array_equal(bn.avg_mean, before[0])
     numpy.testing.assert_array_equal(bn.avg_var, before[1])
+
+
+def test_parallel_block_work_keeps_block_order():
+    model = chainer.Sequential(L.Linear(6, 40), L.Linear(40, 3),
+                               L.Linear(3, 5))
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    opt.update(lambda x: F.sum(model(x) ** 2), data(dtype=numpy.float32)[0])
+    names = chainerkfac.cpu_parallel.map_blocks(lambda b: b.name, opt.blocks)
+    assert names == [b.name for b in opt.blocks]
