@@ -351,6 +351,62 @@ def _pool(workers):
     return _pools[workers]
 
 
+def _update_curvature_precondition_seq(self, stats):
+    """Inverses in the library's per-block pool (one BLAS thread each),
+    then every block's preconditioning in order with all BLAS threads: on
+    stale steps the pool and the thread limit are skipped entirely."""
+    import chainer
+    from chainerkfac import cpu_parallel
+    from chainerkfac.curvature import base as base_module
+    step = self.t
+    hp = self.hyperparam
+    rates = {}
+    owned = self._stages.owned(self.blocks)
+    for block in owned:
+        if block in stats:
+            try:
+                rates[block] = block.update_factors(
+                    step, stats[block], hp.cov_ema_decay)
+            except base_module.NonFiniteError:
+                if self.nonfinite == 'raise':
+                    raise
+
+    def due(block):
+        damping = block.effective_damping(hp)
+        return (all(block.factor[f] is not None for f in block.factors)
+                and (block._factors_changed
+                     or damping != block._damping_used)
+                and block.inverse_schedule.due(step))
+
+    refresh = [b for b in owned if due(b)]
+    inverse_refreshes = sum(cpu_parallel.map_blocks(
+        lambda b: b.update_inverse(step, b.effective_damping(hp)),
+        refresh)) if refresh else 0
+    timer = harness._current[0]
+    for block in owned:
+        block.precondition(hp.weight_decay)
+    del timer
+    self._stages.gather(self, rates)
+    measured = [r for block_rates in rates.values()
+                for r in block_rates.values() if r is not None]
+    report = {'kfac/damping': hp.damping,
+              'kfac/factor_refreshes': sum(map(len, rates.values())),
+              'kfac/inverse_refreshes': inverse_refreshes,
+              'kfac/skipped_steps': 0}
+    if measured:
+        report['kfac/change_rate'] = sum(measured) / len(measured)
+    chainer.report(report)
+
+
+def precondition_seq():
+    from chainerkfac.optimizers import kfac
+    return harness.Patch('precondition_seq', [
+        (kfac.KFAC, 'update_curvature', _update_curvature_precondition_seq)],
+        doc='only the due inverses go to the per-block pool (one BLAS '
+            'thread each); preconditioning runs in order with all BLAS '
+            'threads, so stale steps skip the pool and the thread limit')
+
+
 def blas1():
     from chainerkfac.optimizers import kfac
     original = _original(kfac.KFAC, 'update_curvature')
@@ -440,6 +496,7 @@ PATCHES = {
     'lean_inverse': lean_inverse,
     'fused_finite': fused_finite,
     'bn_stats': bn_stats,
+    'precondition_seq': precondition_seq,
     'blas1': blas1,
     'parallel2': parallel2,
     'all': all_fixes,

@@ -312,11 +312,14 @@ def report(model_name, batch, results, configs):
         'config', 'median step (IQR)', 'stale step', 'amortised',
         'KFAC/SGD per round, stale or all (IQR)', 'amortised KFAC/SGD',
         'K-FAC state', 'steps timed']))
-    lines += ['', 'Mean time per stage (s), by kind of step:', '']
+    lines += ['', 'Median time per stage (s), by kind of step (medians of '
+              'each stage and of the total over the steps of that kind, so '
+              'the stages need not add up to the total; JSON has means):',
+              '']
     rows = []
     for name in configs:
         res = results[name]
-        for kind, st in res['stages'].items():
+        for kind, st in res.get('stages_median', res['stages']).items():
             rows.append([name, kind] + ['{:.4f}'.format(st[s])
                                         for s in harness.STAGES]
                         + ['{:.4f}'.format(st['total'])])
