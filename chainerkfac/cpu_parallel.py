@@ -1,15 +1,23 @@
 """Per-block curvature work spread over CPU threads.
 
-BLAS parallelises each matrix call over its threads. The curvature stage of
-K-FAC is many short, independent calls (inverses and preconditioning
-products of every block), where handing work between BLAS threads costs more
-than it saves: on this project's 2-core machine, preconditioning ResNet-50
-with every width divided by 4 took 0.41 s a step with 2 OpenBLAS threads and
-0.05 s with 1 (benchmarks/step_time.py). So while the stage runs, BLAS is
-held to one thread and the blocks are spread over as many Python threads as
-BLAS had (BLAS and LAPACK release the GIL), largest first. With one BLAS
-thread (e.g. ``OMP_NUM_THREADS=1`` under ``mpiexec``) the blocks simply run
-in order. Blocks on a GPU always run in order on the calling thread.
+BLAS parallelises each matrix call over its threads. That pays for large
+calls only: for the many modest inverses and preconditioning products of a
+K-FAC step, handing work between OpenBLAS threads costs more than it saves,
+and far more when another process competes for the cores (its threads then
+spin waiting for each other). Measured on this project's 2-core machine,
+inverting every factor of ResNet-50 with each width divided by 4 took 0.21 s
+with 2 BLAS threads on a quiet machine but 0.49-0.74 s beside one busy
+process, and 0.25 s either way with one BLAS thread per block and the blocks
+on two Python threads; the three 4608 x 4608 factors of the full ResNet-50,
+on the other hand, invert in 0.93 s each with 2 BLAS threads and 1.83 s
+with one.
+
+So :func:`map_blocks` runs a block whose work reaches :data:`SERIAL_FLOPS`
+on the calling thread with every BLAS thread, and spreads the smaller ones,
+largest first, over as many Python threads as BLAS had, each holding BLAS to
+one thread (BLAS and LAPACK release the GIL). With one BLAS thread (e.g.
+``OMP_NUM_THREADS=1`` under ``mpiexec``) every block simply runs in order.
+Blocks on a GPU always run in order on the calling thread.
 """
 import concurrent.futures
 
@@ -39,10 +47,17 @@ def _pool(workers):
     return _state['pool']
 
 
-def map_blocks(function, blocks):
+#: Floating-point operations from which one block's work runs alone with
+#: every BLAS thread (a Cholesky inverse of a factor of about 1300, or the
+#: preconditioning of a 1024 x 785 layer).
+SERIAL_FLOPS = 2e9
+
+
+def map_blocks(function, blocks, flops):
     """``[function(block) for block in blocks]``, on CPU threads if it pays.
 
-    ``function`` must touch nothing but its own block.
+    ``flops(block)`` is the work ``function`` does on a block; ``function``
+    must touch nothing but its own block.
     """
     if not blocks:
         return []
@@ -51,12 +66,21 @@ def map_blocks(function, blocks):
     controller = _controller().select(user_api='blas')
     workers = max([lib.num_threads for lib in controller.lib_controllers]
                   + [1])
-    with controller.limit(limits=1):
-        if workers == 1 or len(blocks) == 1:
-            return [function(block) for block in blocks]
+    work = [flops(block) for block in blocks]
+    results = {}
+    small = []
+    for i, block in enumerate(blocks):
+        if workers == 1 or work[i] >= SERIAL_FLOPS:
+            results[i] = function(block)
+        else:
+            small.append(i)
+    if small:
         # Largest first, so that no big block starts last.
-        order = sorted(range(len(blocks)),
-                       key=lambda i: -blocks[i].state_bytes())
-        results = dict(zip(order, _pool(workers).map(
-            lambda i: function(blocks[i]), order)))
+        small.sort(key=lambda i: -work[i])
+        with controller.limit(limits=1):
+            if len(small) == 1:
+                results[small[0]] = function(blocks[small[0]])
+            else:
+                results.update(zip(small, _pool(workers).map(
+                    lambda i: function(blocks[i]), small)))
     return [results[i] for i in range(len(blocks))]

@@ -25,7 +25,7 @@ class OutputGradientHook(chainer.FunctionHook):
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
         if gy is not None:
-            self.block.backward_statistics(self.context, gy)
+            self.block.backward_statistics(self.context, gy, function)
 
 
 class StatisticsHook(chainer.LinkHook):

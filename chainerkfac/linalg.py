@@ -151,21 +151,40 @@ def diagonal_inverse(diag, damping):
     return 1 / (diag + damping)
 
 
+_upper_masks = {}
+
+
+def _upper_mask(xp, dim, device):
+    """Boolean mask of the upper triangle (diagonal included), cached.
+
+    Boolean indexing walks the matrix in C order, so ``M[mask]`` lists the
+    upper triangle row by row. One ``dim x dim`` byte mask per size is kept
+    instead of the two ``int64`` index arrays of ``triu_indices``, which
+    are 8x larger and were rebuilt on every call.
+    """
+    key = (str(device), dim)
+    mask = _upper_masks.get(key)
+    if mask is None:
+        mask = _upper_masks[key] = xp.triu(xp.ones((dim, dim), dtype=bool))
+    return mask
+
+
 def pack_symmetric(M):
     """Upper triangle of a symmetric matrix as a flat array (d(d+1)/2).
 
     Symmetric factors travel in this form (Osawa et al. §3.4): half the bytes.
     """
     xp = backend.get_array_module(M)
-    rows, cols = xp.triu_indices(M.shape[0])
-    return M[rows, cols]
+    return M[_upper_mask(xp, M.shape[0], backend.get_device_from_array(M))]
 
 
 def unpack_symmetric(packed, dim):
     """Inverse of :func:`pack_symmetric`."""
     xp = backend.get_array_module(packed)
-    rows, cols = xp.triu_indices(dim)
+    mask = _upper_mask(xp, dim, backend.get_device_from_array(packed))
     M = xp.empty((dim, dim), dtype=packed.dtype)
-    M[rows, cols] = packed
-    M[cols, rows] = packed
+    M[mask] = packed
+    # Mᵀ[mask] walks (i, j), i <= j, in the order of ``packed``: it writes
+    # M[j, i] = M[i, j], the lower triangle.
+    M.T[mask] = packed
     return M

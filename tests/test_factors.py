@@ -74,13 +74,17 @@ def test_convolution_2d_factors(stride, pad, dilate):
 
 @pytest.mark.parametrize('bn_fisher', ['diagonal', 'full'])
 @pytest.mark.parametrize('shape', [(6, 3, 4, 5), (6, 3)])
-def test_batch_normalization_fisher(bn_fisher, shape):
+# BatchRenormalization (r = 1, d = 0 by default: the same function) has a
+# function node of its own, without the batch moments the block reuses.
+@pytest.mark.parametrize('link_class', [L.BatchNormalization,
+                                        L.BatchRenormalization])
+def test_batch_normalization_fisher(bn_fisher, shape, link_class):
     # BN couples samples, so the per-sample gradient is defined with x̂ held
     # fixed (paper §5.4): u_i = Σ ĝ_i x̂_i, v_i = Σ ĝ_i with ĝ_i = ∂l_i/∂y_i.
     # With BN as the last layer, ∂l_i/∂y_i = (1 - tanh² y_i) r_i exactly.
     rng = numpy.random.RandomState(2)
     C = shape[1]
-    link = L.BatchNormalization(C, dtype=numpy.float64)
+    link = link_class(C, dtype=numpy.float64)
     link.gamma.array = rng.rand(C) + 0.5
     link.beta.array = rng.randn(C)
     x = rng.randn(*shape) * 2 + 1

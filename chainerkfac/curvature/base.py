@@ -2,7 +2,7 @@
 
 One block per supported link owns all K-FAC state of that link::
 
-    hooks:      forward_statistics(x) ... backward_statistics(ctx, gy)
+    hooks:      forward_statistics(x) ... backward_statistics(ctx, gy, node)
                    (only on steps where a factor is due; sums per sample)
     optimizer:  take_statistics()      -> batch means of the due factors
                 update_factors(step)   -> C <- d C + (1 - d) C_new
@@ -19,6 +19,7 @@ from chainer import backend
 from chainer import serializer as serializer_module
 
 from chainerkfac import schedules
+from chainerkfac.curvature import cost
 
 
 class NonFiniteError(FloatingPointError):
@@ -86,8 +87,13 @@ class FisherBlock:
         """
         raise NotImplementedError
 
-    def backward_statistics(self, context, gy):
-        """Accumulates backward statistics of the output gradient ``gy``."""
+    def backward_statistics(self, context, gy, node):
+        """Accumulates backward statistics of the output gradient ``gy``.
+
+        ``node`` is the function node that computed the link's output, so
+        a block can reuse what its forward computed (BatchNormalization's
+        batch moments).
+        """
         raise NotImplementedError
 
     def _accumulate(self, factor, value, n_samples):
@@ -155,16 +161,20 @@ class FisherBlock:
             self._factors_changed = True
         return rates
 
+    def inverse_due(self, step, damping):
+        """Whether step ``step`` must recompute the inverse: every factor
+        exists, a factor or the damping changed since the last inverse, and
+        the inverse schedule is due."""
+        return (all(self.factor[f] is not None for f in self.factors)
+                and (self._factors_changed or damping != self._damping_used)
+                and self.inverse_schedule.due(step))
+
     def update_inverse(self, step, damping):
-        """Recomputes the damped inverse if it is due and something changed.
+        """Recomputes the damped inverse if :meth:`inverse_due`.
 
         Returns whether it was recomputed.
         """
-        if any(self.factor[f] is None for f in self.factors):
-            return False
-        if not (self._factors_changed or damping != self._damping_used):
-            return False
-        if not self.inverse_schedule.due(step):
+        if not self.inverse_due(step, damping):
             return False
         self.inverse_state = self.compute_inverse(damping)
         self.inverse_schedule.mark(step)
@@ -221,11 +231,20 @@ class FisherBlock:
 
         See :class:`chainerkfac.distributed.BlockCost`: ``('kronecker',
         (d_A, d_G))``, or ``('diagonal' | 'full', (size,))``. A custom block
-        used in a distributed run overrides this.
+        used in a distributed run overrides this; in one process, a block
+        without it is taken to be small (see :mod:`chainerkfac.cpu_parallel`).
         """
         raise NotImplementedError(
             '{} does not define assignment_cost(), which distributed K-FAC '
             'needs to place it on a rank'.format(type(self).__name__))
+
+    def cost(self):
+        """The block's :class:`~chainerkfac.distributed.BlockCost`, or
+        ``None`` for a custom block without :meth:`assignment_cost`."""
+        try:
+            return cost.BlockCost(self.name, *self.assignment_cost())
+        except NotImplementedError:
+            return None
 
     def state_bytes(self):
         """Bytes held by the stored factors and inverses."""

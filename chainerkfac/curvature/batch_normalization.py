@@ -46,25 +46,29 @@ class BatchNormalizationBlock(base.FisherBlock):
     def forward_statistics(self, x, wanted):
         if 'F' not in wanted:
             return None
-        xp = backend.get_array_module(x)
-        axes = self._reduce_axes(x)
-        mean = x.mean(axis=axes, keepdims=True)
-        var = x.var(axis=axes, keepdims=True)
-        # x itself is retained by Chainer for backward anyway; keeping only
-        # the per-channel moments avoids storing x̂.
-        return x, mean, 1 / xp.sqrt(var + self.link.eps), axes
+        # Chainer retains x for its own backward: keeping it costs nothing.
+        return x, self._reduce_axes(x)
 
-    def backward_statistics(self, context, gy):
-        x, mean, inv_std, axes = context
+    def backward_statistics(self, context, gy, node):
+        x, axes = context
         xp = backend.get_array_module(gy)
         n = gy.shape[0]
         sample_axes = tuple(a for a in axes if a != 0)
+        v = gy.sum(axis=sample_axes).reshape(n, -1)
         columns = []
         if getattr(self.link, 'gamma', None) is not None:
-            x_hat = (x - mean) * inv_std
-            columns.append((gy * x_hat).sum(axis=sample_axes).reshape(n, -1))
+            # u = Σ gy x̂ = inv_std (Σ gy x - mean v): no x̂ is formed, and
+            # the batch moments are the ones Chainer's forward computed.
+            mean = getattr(node, 'mean', None)
+            inv_std = getattr(node, 'inv_std', None)
+            if mean is None or inv_std is None:
+                # A subclass's own function (e.g. BatchRenormalization).
+                mean = x.mean(axis=axes)
+                inv_std = 1 / xp.sqrt(x.var(axis=axes) + self.link.eps)
+            gx = (gy * x).sum(axis=sample_axes).reshape(n, -1)
+            columns.append((gx - mean.ravel() * v) * inv_std.ravel())
         if getattr(self.link, 'beta', None) is not None:
-            columns.append(gy.sum(axis=sample_axes).reshape(n, -1))
+            columns.append(v)
         Z = xp.concatenate(columns, axis=1) * n
         if self.bn_fisher == 'diagonal':
             self._accumulate('F', (Z * Z).sum(axis=0), n)

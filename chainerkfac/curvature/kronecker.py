@@ -54,7 +54,7 @@ class KroneckerBlock(base.FisherBlock):
             self._accumulate('A', A, n)
         return True if 'G' in wanted else None
 
-    def backward_statistics(self, context, gy):
+    def backward_statistics(self, context, gy, node):
         Q, n = self.output_columns(gy)
         T = Q.shape[1] // n
         # ĝ = n gy per sample; the mean over positions divides by T.

@@ -29,74 +29,7 @@ would need an extra broadcast of the factors.
 import dataclasses
 import heapq
 
-
-#: Block kinds and the number of dimensions each takes.
-KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockCost:
-    """What the cost model needs to know about one curvature block.
-
-    Args:
-        name (str): Name of the block, e.g. the link's path in the model.
-        kind (str): ``'kronecker'`` for a Linear or Convolution2D block
-            ``A ⊗ G``; ``'diagonal'`` or ``'full'`` for a BatchNormalization
-            block (paper §5.4).
-        dims (tuple of int): ``(d_A, d_G)`` for ``'kronecker'``, the sizes of
-            the input-side factor A (including the bias coordinate) and of
-            the output-side factor G; ``(C,)`` (the number of channels) for
-            BatchNormalization.
-
-    Costs are floating-point operation counts:
-
-    * ``'kronecker'``: inverting both factors (Cholesky ``potrf`` + ``potri``,
-      about ``d³`` each) costs ``d_A³ + d_G³``; preconditioning
-      ``G⁻¹ ∇W A⁻¹`` is two matrix products, ``2 d_G d_A (d_A + d_G)``.
-    * ``'full'``: a dense ``2C x 2C`` Fisher of (γ, β): ``(2C)³`` to invert,
-      ``2 (2C)²`` for the matrix-vector product.
-    * ``'diagonal'``: ``2C`` reciprocals and ``2C`` products.
-    """
-
-    name: str
-    kind: str
-    dims: tuple
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError('block {!r}: unknown kind {!r}; expected one of '
-                             '{}'.format(self.name, self.kind, sorted(KINDS)))
-        dims = tuple(int(d) for d in self.dims)
-        if len(dims) != KINDS[self.kind] or min(dims) < 1:
-            raise ValueError(
-                'block {!r}: a {!r} block takes {} positive dims, got '
-                '{!r}'.format(self.name, self.kind, KINDS[self.kind],
-                              self.dims))
-        # The instance is frozen; normalising the field is the one write.
-        object.__setattr__(self, 'dims', dims)
-
-    @property
-    def inverse_cost(self):
-        """Operations to refresh the inverse (or damped diagonal)."""
-        if self.kind == 'kronecker':
-            d_a, d_g = self.dims
-            return d_a ** 3 + d_g ** 3
-        c2 = 2 * self.dims[0]
-        return c2 ** 3 if self.kind == 'full' else c2
-
-    @property
-    def precondition_cost(self):
-        """Operations to precondition the block's gradient once."""
-        if self.kind == 'kronecker':
-            d_a, d_g = self.dims
-            return 2 * d_g * d_a * (d_a + d_g)
-        c2 = 2 * self.dims[0]
-        return 2 * c2 ** 2 if self.kind == 'full' else c2
-
-    def cost(self, refresh_fraction=1.0):
-        """Operations per iteration when inverses are refreshed on a
-        ``refresh_fraction`` of the iterations (1 without stale Fisher)."""
-        return refresh_fraction * self.inverse_cost + self.precondition_cost
+from chainerkfac.curvature.cost import BlockCost  # NOQA  (public here too)
 
 
 @dataclasses.dataclass(frozen=True)

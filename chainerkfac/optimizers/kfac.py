@@ -111,6 +111,14 @@ def _choice(value, choices, what):
     return value
 
 
+def _work(cost_name):
+    """``block -> flops`` of one stage, from the block's cost model."""
+    def flops(block):
+        cost = block.cost()
+        return 0 if cost is None else getattr(cost, cost_name)
+    return flops
+
+
 class KFAC(optimizer.GradientMethod):
     """K-FAC with momentum (Martens & Grosse 2015; Osawa et al. CVPR 2019).
 
@@ -388,14 +396,15 @@ class KFAC(optimizer.GradientMethod):
                     logger.warning('iteration %d: dropped non-finite '
                                    'statistics of %s', step, block.name)
 
-        def invert_and_precondition(block):
-            refreshed = block.update_inverse(
-                step, block.effective_damping(hp))
-            block.precondition(hp.weight_decay)
-            return refreshed
-
+        due = [block for block in owned
+               if block.inverse_due(step, block.effective_damping(hp))]
         inverse_refreshes = sum(cpu_parallel.map_blocks(
-            invert_and_precondition, owned))
+            lambda block: block.update_inverse(
+                step, block.effective_damping(hp)),
+            due, _work('inverse_cost')))
+        cpu_parallel.map_blocks(
+            lambda block: block.precondition(hp.weight_decay),
+            owned, _work('precondition_cost'))
         self._stages.gather(self, rates)
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
