@@ -118,7 +118,98 @@ def _env_line(payload):
                 if load_avg else 'unknown'))
 
 
-def _flop_section(step):
+#: The peer figures the issue quotes (kfac-pytorch/KAISA on this machine).
+KAISA = {('resnet50', 'kfac_1'): 5.95, ('resnet50', 'kfac_10_100'): 1.36,
+         ('small_cnn', 'kfac_10_100'): 1.20}
+
+#: Step-time targets of issue #5: configuration -> largest KFAC/SGD ratio.
+STEP_TARGETS = {'kfac_10_100': 1.10, 'kfac_50_50': 1.10, 'kfac_1': 1.8}
+
+
+def _ratio(entry, config):
+    res = (entry or {}).get('results', {}).get(config)
+    return None if not res else res.get('amortised_ratio')
+
+
+def _verdict(ok):
+    return '-' if ok is None else ('yes' if ok else '**no**')
+
+
+def _targets_section(step_runs, peer, dist, tta):
+    """One row per target of issue #5, measured values from the JSON."""
+    rows = []
+    models = {}
+    for run in step_runs:
+        for model, entry in run.get('models', {}).items():
+            models.setdefault(model, entry)
+    for model in ('resnet50', 'resnet50_w4'):
+        for config, limit in STEP_TARGETS.items():
+            r = _ratio(models.get(model), config)
+            rows.append(['{} step time, {}'.format(model, config),
+                         '<= {:.2f}x SGD'.format(limit),
+                         '-' if r is None else '{:.2f}x'.format(r),
+                         _verdict(None if r is None else r <= limit)])
+    if dist:
+        for stage, kind in (('inversion', 'refresh'),
+                            ('precondition', 'stale')):
+            one = dist['mpi'].get('1', {}).get('summary', {}).get(kind, {})
+            two = dist['mpi'].get('2', {}).get('summary', {}).get(kind, {})
+            if stage in one and stage in two:
+                a, b = one[stage]['max'], two[stage]['max']
+                rows.append(['-n 2 per-rank {} ({} step, {})'.format(
+                    stage, kind, dist['model']), 'halves (<= 0.55x -n 1)',
+                    '{} -> {} ({:.2f}x)'.format(harness.fmt_s(a),
+                                                harness.fmt_s(b), b / a),
+                    _verdict(b / a <= 0.55)])
+    peers = {}
+    for model, entry in (peer or {}).get('models', {}).items():
+        for config, res in entry.get('results', {}).items():
+            if config != 'sgd' and res.get('amortised_ratio'):
+                peers[(model, config)] = ('kfac-jax',
+                                          res['amortised_ratio'])
+    for key, value in KAISA.items():
+        peers.setdefault(key, ('KAISA (issue)', value))
+        if key in peers and peers[key][0] != 'KAISA (issue)':
+            peers[key + ('kaisa',)] = ('KAISA (issue)', value)
+    for key, (who, theirs) in sorted(peers.items()):
+        ours = _ratio(models.get(key[0]), key[1])
+        rows.append(['{} {}: ours vs {}'.format(key[0], key[1], who),
+                     'below the peer',
+                     '-' if ours is None else '{:.2f}x vs {:.2f}x'.format(
+                         ours, theirs),
+                     _verdict(None if ours is None else ours < theirs)])
+    for task, entry in (tta or {}).get('tasks', {}).items():
+        large = max(entry['batches'])
+        best = {b['optimizer']: b for b in entry['best']
+                if b['batch'] == large}
+        s, k = best.get('sgd'), best.get('kfac')
+        if s and k and s['iterations'] and k['iterations']:
+            it = k['iterations'] / s['iterations']
+            wall = k['wall'] / s['wall']
+            rows.append(['{} batch {}: iterations to {:.0%}'.format(
+                task, large, entry['target']),
+                'KFAC <= 0.5x SGD, wall-clock < 1x',
+                '{:.2f}x, wall-clock {:.2f}x'.format(it, wall),
+                _verdict(it <= 0.5 and wall < 1)])
+        else:
+            rows.append(['{} batch {}: iterations to {:.0%}'.format(
+                task, large, entry['target']),
+                'KFAC <= 0.5x SGD, wall-clock < 1x',
+                'a run missed the target', '**no**'])
+    if dist:
+        table = dist['imbalance']['table']
+        for ranks in (8, 16, 32, 64):
+            cell = table.get('1.0@{}'.format(ranks))
+            if cell:
+                rows.append([
+                    'ResNet-50 load imbalance, {} ranks'.format(ranks),
+                    '<= 1.10', '{:.2f} (floor {:.2f})'.format(
+                        cell['cost_model'], cell['floor']),
+                    _verdict(cell['cost_model'] <= 1.10)])
+    return [harness.table(rows, ['target', 'wanted', 'measured', 'met'])]
+
+
+def _flop_section(step_runs):
     import flops
     lines = []
     m = flops.flop_model('resnet50', 32)
@@ -134,7 +225,8 @@ def _flop_section(step):
               '`Q @ Q.T` as `syrk`, so the A and G factors cost half their '
               'GEMM count.', '']
     measured = []
-    for model, entry in (step or {}).get('models', {}).items():
+    for model, entry in [item for run in step_runs
+                         for item in run.get('models', {}).items()]:
         res = entry['results']
         sgd = res.get('sgd', {}).get('stages', {}).get('sgd')
         ref = res.get('kfac_1', {}).get('fine', {}).get('refresh')
@@ -190,6 +282,14 @@ def write_doc(full):
         'treat differences under about 20% as noise.',
         '',
     ]
+    extra = sorted(f[:-5] for f in os.listdir(harness.results_dir())
+                   if f.startswith('step_time_') and f.endswith('.json'))
+    step_runs = [run for run in [step] + [load(n) for n in extra] if run]
+    lines += ['## Targets of issue #5', '',
+              'Each row reads the JSON of the section that measured it '
+              '(step-time ratios are amortised over the schedule: see '
+              'below).', '']
+    lines += _targets_section(step_runs, peer, dist, tta) + ['']
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
                   _env_line(step), '',
@@ -213,8 +313,6 @@ def write_doc(full):
         stage_figure(step, fig)
         lines += ['![Time per stage](benchmarks_figures/'
                   'step_time_stages.png)', '']
-    extra = sorted(f[:-5] for f in os.listdir(harness.results_dir())
-                   if f.startswith('step_time_') and f.endswith('.json'))
     if extra:
         import patches as patches_module
         import step_time
@@ -242,7 +340,7 @@ def write_doc(full):
                                         list(entry['results']))
                 lines += [text.replace('### ', '#### ', 1), '']
     lines += ['## Flop model (issue #5), updated', '']
-    lines += _flop_section(step)
+    lines += _flop_section(step_runs)
     if peer:
         lines += ['## Peer: kfac-jax', '',
                   'kfac-jax in its own environment (`benchmarks/.venv-peer`,'

@@ -48,6 +48,7 @@ PUBLIC_MODULES = [
     'chainerkfac.schedules',
     'chainerkfac.curvature',
     'chainerkfac.linalg',
+    'chainerkfac.cpu_parallel',
     'chainerkfac.distributed',
     'chainerkfac.hooks',
 ]

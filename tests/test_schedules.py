@@ -133,3 +133,17 @@ def test_callable_returning_bad_interval_names_it():
     opt.setup(model)
     with pytest.raises(ValueError, match='returned 0 at iteration'):
         count_statistics(opt, model, 2)
+
+
+@pytest.mark.parametrize('factor_interval,inverse_interval,reuse', [
+    (1, 1, 1),
+    (10, 1, 10),            # inverses wait for the factors to change
+    (10, 100, 100),
+    ({'A': 1, 'G': 10}, 4, 4),
+    (1, lambda t: 3 if t < 50 else 30, 3),
+])
+def test_inverse_reuse(factor_interval, inverse_interval, reuse):
+    opt = chainerkfac.optimizers.KFAC(factor_interval=factor_interval,
+                                      inverse_interval=inverse_interval)
+    opt.setup(L.Linear(3, 2))
+    assert opt.blocks[0].inverse_reuse(1) == reuse

@@ -42,14 +42,21 @@ def full_gradient(link):
     return numpy.concatenate([link.W.grad, link.b.grad[:, None]], axis=1)
 
 
-@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
+# An inverse used once is kept as Cholesky factors (triangular solves); one
+# expected to serve EXPLICIT_INVERSE_MIN_REUSE steps is formed explicitly.
+@pytest.mark.parametrize('inverse,inverse_interval,state', [
+    ('cholesky', 1, 'A_chol'),
+    ('cholesky', chainerkfac.linalg.EXPLICIT_INVERSE_MIN_REUSE, 'A_inv'),
+    ('eigen', 1, 'A_eigvecs')])
 @pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
                                         (numpy.float32, 2e-3)])
-def test_one_step_equals_dense_kronecker_solve(inverse, dtype, rtol):
+def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
+                                               state, dtype, rtol):
     damping, lr = 1e-2, 0.5
     model = MLP(dtype)
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
-                                      inverse=inverse)
+                                      inverse=inverse,
+                                      inverse_interval=inverse_interval)
     opt.setup(model)
     x, t = data(dtype=dtype)
     before = {n: p.array.astype(numpy.float64).copy()
@@ -58,6 +65,7 @@ def test_one_step_equals_dense_kronecker_solve(inverse, dtype, rtol):
     ref = reference_copy(model, x, t)
     opt.update(loss_fn(model), x, t)
     for block in opt.blocks:
+        assert state in block.inverse_state
         name = block.name
         A = block.factor['A'].astype(numpy.float64)
         G = block.factor['G'].astype(numpy.float64)
@@ -217,16 +225,36 @@ def test_singular_factor_gives_finite_update():
     numpy.testing.assert_allclose(opt.blocks[0].factor['A'], 0)
 
 
-@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
-def test_damped_inverse_never_nan(inverse):
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_damped_inverse_and_cholesky_never_nan(dtype):
+    linalg = chainerkfac.linalg
     rng = numpy.random.RandomState(0)
     v = rng.randn(6, 1)
-    indefinite = v @ v.T - 1e-3 * numpy.eye(6)
-    inv = chainerkfac.linalg.damped_inverse(indefinite, 0.0)
-    assert numpy.isfinite(inv).all()
-    numpy.testing.assert_allclose(inv, inv.T, rtol=1e-10)
-    inv = chainerkfac.linalg.damped_inverse(numpy.zeros((3, 3)), 1e-4)
-    numpy.testing.assert_allclose(inv, numpy.eye(3) * 1e4, rtol=1e-8)
+    indefinite = (v @ v.T - 1e-3 * numpy.eye(6)).astype(dtype)
+    inv = linalg.damped_inverse(indefinite, 0.0)
+    L = linalg.damped_cholesky(indefinite, 0.0)
+    assert numpy.isfinite(inv).all() and numpy.isfinite(L).all()
+    numpy.testing.assert_allclose(inv, inv.T, rtol=1e-6)
+    numpy.testing.assert_array_equal(L, numpy.tril(L))
+    # Both describe the same floored matrix.
+    numpy.testing.assert_allclose(inv @ (L @ L.T), numpy.eye(6), atol=1e-3)
+    zero = numpy.zeros((3, 3), dtype=dtype)
+    numpy.testing.assert_allclose(linalg.damped_inverse(zero, 1e-4),
+                                  numpy.eye(3) * 1e4, rtol=1e-5)
+    numpy.testing.assert_allclose(linalg.damped_cholesky(zero, 1e-4),
+                                  numpy.eye(3) * 1e-2, rtol=1e-5)
+
+
+def test_cholesky_precondition_equals_inverse_products():
+    linalg = chainerkfac.linalg
+    rng = numpy.random.RandomState(1)
+    A, G = (X @ X.T for X in (rng.randn(7, 9), rng.randn(4, 5)))
+    grad = rng.randn(4, 7)
+    expected = linalg.kronecker_precondition(
+        grad, linalg.damped_inverse(A, 0.1), linalg.damped_inverse(G, 0.2))
+    got = linalg.cholesky_precondition(
+        grad, linalg.damped_cholesky(A, 0.1), linalg.damped_cholesky(G, 0.2))
+    numpy.testing.assert_allclose(got, expected, rtol=1e-10)
 
 
 def test_nan_gradient_raises_by_default():

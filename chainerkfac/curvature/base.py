@@ -176,7 +176,8 @@ class FisherBlock:
         """
         if not self.inverse_due(step, damping):
             return False
-        self.inverse_state = self.compute_inverse(damping)
+        self.inverse_state = self.compute_inverse(
+            damping, self.inverse_reuse(step))
         self.inverse_schedule.mark(step)
         self._factors_changed = False
         self._damping_used = damping
@@ -187,8 +188,20 @@ class FisherBlock:
         weight decay (Osawa et al. §4.2), which this block's weights get."""
         return hyperparam.damping + hyperparam.weight_decay
 
-    def compute_inverse(self, damping):
-        """Returns the state :meth:`preconditioned` needs (a dict of arrays)."""
+    def inverse_reuse(self, step):
+        """Steps an inverse computed at ``step`` is expected to serve: the
+        inverse interval, or the shortest factor interval if longer (an
+        inverse is only recomputed after a factor changed)."""
+        return max([self.inverse_schedule.current_interval(step)]
+                   + [min(self.schedules[f].current_interval(step)
+                          for f in self.factors)])
+
+    def compute_inverse(self, damping, reuse):
+        """Returns the state :meth:`preconditioned` needs (a dict of arrays).
+
+        ``reuse`` (from :meth:`inverse_reuse`) lets a block choose between
+        forms that are cheap to compute and forms that are cheap to apply.
+        """
         raise NotImplementedError
 
     # -- gradients ------------------------------------------------------

@@ -79,7 +79,7 @@ class BatchNormalizationBlock(base.FisherBlock):
         """``bn_damping_multiplier x ε`` (γ and β are not weight-decayed)."""
         return hyperparam.bn_damping_multiplier * hyperparam.damping
 
-    def compute_inverse(self, damping):
+    def compute_inverse(self, damping, reuse):
         F = self.factor['F']
         if self.bn_fisher == 'diagonal':
             return {'diag_inv': linalg.diagonal_inverse(F, damping)}

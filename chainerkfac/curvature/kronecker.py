@@ -60,7 +60,7 @@ class KroneckerBlock(base.FisherBlock):
         # ĝ = n gy per sample; the mean over positions divides by T.
         self._accumulate('G', (Q @ Q.T) * (n * n / T), n)
 
-    def compute_inverse(self, damping):
+    def compute_inverse(self, damping, reuse):
         A, G = self.factor['A'], self.factor['G']
         if self.inverse == 'eigen':
             w_A, Q_A = linalg.symmetric_eigh(A)
@@ -68,13 +68,16 @@ class KroneckerBlock(base.FisherBlock):
             return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
                     'G_eigvals': w_G, 'G_eigvecs': Q_G}
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
-        return {'A_inv': linalg.damped_inverse(A, damping_A),
-                'G_inv': linalg.damped_inverse(G, damping_G)}
+        if reuse >= linalg.EXPLICIT_INVERSE_MIN_REUSE:
+            return {'A_inv': linalg.damped_inverse(A, damping_A),
+                    'G_inv': linalg.damped_inverse(G, damping_G)}
+        return {'A_chol': linalg.damped_cholesky(A, damping_A),
+                'G_chol': linalg.damped_cholesky(G, damping_G)}
 
     def inverse_keys(self):
         if self.inverse == 'eigen':
             return ('A_eigvals', 'A_eigvecs', 'G_eigvals', 'G_eigvecs')
-        return ('A_inv', 'G_inv')
+        return ('A_inv', 'G_inv', 'A_chol', 'G_chol')
 
     def gradient(self, weight_decay=0.0):
         W = self.link.W
@@ -92,6 +95,9 @@ class KroneckerBlock(base.FisherBlock):
             return linalg.eigen_precondition(
                 grad, (s['A_eigvals'], s['A_eigvecs']),
                 (s['G_eigvals'], s['G_eigvecs']), self._damping_used)
+        if 'A_chol' in s:
+            return linalg.cholesky_precondition(grad, s['A_chol'],
+                                                s['G_chol'])
         return linalg.kronecker_precondition(grad, s['A_inv'], s['G_inv'])
 
     def set_gradient(self, grad):
