@@ -290,6 +290,16 @@ def write_doc(full):
               '(step-time ratios are amortised over the schedule: see '
               'below).', '']
     lines += _targets_section(step_runs, peer, dist, tta) + ['']
+    lines += [
+        'The load-imbalance target cannot be met by any placement that '
+        'gives each block one owner, which the reduce-scatter-v of the '
+        'paper\'s stages implies: the floor column is the largest single '
+        'block (a res5 3x3 convolution, whose 4608 x 4608 A factor is a '
+        'fifth of all the inversion and preconditioning work) times the '
+        'ranks over the total, and the cost model reaches that floor from '
+        '8 ranks on. Going below it needs one inverse split over ranks '
+        '(a distributed Cholesky), which neither the paper nor this '
+        'library does.', '']
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
                   _env_line(step), '',

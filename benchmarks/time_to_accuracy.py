@@ -145,12 +145,18 @@ LR_GRID = {'sgd': (0.03, 0.1, 0.3), 'kfac': (0.01, 0.03, 0.1)}
 QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 
 
+#: Optimizers that can be compared (``--optimizers``); every one but
+#: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
+OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2}}
+
+
 def make_optimizer(name, lr, intervals):
     if name == 'sgd':
         return chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     f, i = intervals
     return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, damping=1e-3,
-                                       factor_interval=f, inverse_interval=i)
+                                       factor_interval=f, inverse_interval=i,
+                                       **OPTIMIZERS[name])
 
 
 def accuracy(model, x, y):
@@ -228,9 +234,10 @@ def plot(task_name, runs, best, target, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7),
                              squeeze=False)
-    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red'}
+    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red', 'kfac_sub2': 'tab:green'}
+    optimizers = sorted({o for _, o in best}, key=list(OPTIMIZERS).index)
     for col, batch in enumerate(batches):
-        for opt in ('sgd', 'kfac'):
+        for opt in optimizers:
             if (batch, opt) not in best:
                 continue
             lr = best[(batch, opt)]['lr']
@@ -260,6 +267,8 @@ def main(argv=None):
     parser.add_argument('--tasks', default='digits,teacher')
     parser.add_argument('--seeds', type=int, default=None)
     parser.add_argument('--quick', action='store_true')
+    parser.add_argument('--optimizers', default='sgd,kfac',
+                        help='from: ' + ', '.join(OPTIMIZERS))
     parser.add_argument('--kfac-intervals', default='1,1',
                         help='factor,inverse interval of K-FAC')
     parser.add_argument('--n-train', type=int, default=None,
@@ -271,6 +280,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     harness.limit_threads(args.threads)
     intervals = tuple(int(v) for v in args.kfac_intervals.split(','))
+    optimizers = args.optimizers.split(',')
+    unknown = set(optimizers) - set(OPTIMIZERS)
+    if unknown or 'sgd' not in optimizers:
+        parser.error('--optimizers must include sgd, from: {}'.format(
+            ', '.join(OPTIMIZERS)))
     grid = QUICK_LR_GRID if args.quick else LR_GRID
     n_train = args.n_train or (20000 if args.quick else 40000)
     payload = {'script': 'time_to_accuracy', 'argv': sys.argv[1:],
@@ -307,8 +321,8 @@ def main(argv=None):
         for seed in range(seeds):
             for batch in task['batches']:
                 for k in range(len(task_grid['sgd'])):
-                    for opt in ('sgd', 'kfac'):
-                        lr = task_grid[opt][k]
+                    for opt in optimizers:
+                        lr = task_grid['sgd' if opt == 'sgd' else 'kfac'][k]
                         r = train_run(task, data, opt, lr, batch, seed,
                                       intervals, max_iter)
                         runs.setdefault((batch, opt, lr), []).append(r)
@@ -324,13 +338,13 @@ def main(argv=None):
         best = summarise(runs)
         rows = []
         for batch in task['batches']:
-            s, k = best.get((batch, 'sgd')), best.get((batch, 'kfac'))
-            ratio_it = (k['iterations'] / s['iterations']
-                        if s and k and s['iterations'] and k['iterations']
-                        else None)
-            ratio_wall = (k['wall'] / s['wall']
-                          if s and k and s['wall'] and k['wall'] else None)
-            for name, b in (('sgd', s), ('kfac', k)):
+            s = best.get((batch, 'sgd'))
+            for name in optimizers:
+                b = best.get((batch, name))
+                ratio_it = (b['iterations'] / s['iterations']
+                            if s['iterations'] and b['iterations'] else None)
+                ratio_wall = (b['wall'] / s['wall']
+                              if s['wall'] and b['wall'] else None)
                 rows.append([str(batch), name, str(b['lr']),
                              str(b['iterations']), harness.fmt_s(b['wall']),
                              b['reached'],

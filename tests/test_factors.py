@@ -72,6 +72,36 @@ def test_convolution_2d_factors(stride, pad, dilate):
     numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
 
 
+@pytest.mark.parametrize('ksize,stride,pad,nobias', [
+    ((3, 2), (2, 1), 1, False), (1, 1, 0, True), (1, 2, 0, False)])
+@pytest.mark.parametrize('s', [2, 3])
+def test_spatially_subsampled_convolution_a_factor(ksize, stride, pad,
+                                                   nobias, s):
+    # A from the output positions on every s-th row and column, scaled by
+    # T / T_kept to the sum over all positions; G is untouched.
+    rng = numpy.random.RandomState(5)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Convolution2D(2, 3, ksize, stride=stride, pad=pad,
+                               nobias=nobias, initial_bias=0.5)
+    link.W.array = rng.randn(*link.W.shape)
+    x = rng.randn(4, 2, 7, 6)
+    y = link(x)
+    r = rng.randn(*y.shape)
+    n, out, oh, ow = y.shape
+    kh, kw = ksize if isinstance(ksize, tuple) else (ksize, ksize)
+    patches = brute_force.conv_patches(
+        x, (kh, kw), link.stride, link.pad, link.dilate)
+    kept = [p * ow + q for p in range(0, oh, s) for q in range(0, ow, s)]
+    A, _ = brute_force.kronecker_factors(patches[:, kept], patches[:, kept],
+                                         not nobias)
+    A *= oh * ow / len(kept)
+    full = collect(link, x, r)
+    block = collect(link, x, r, spatial_subsample=s)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(block.factor['G'], full.factor['G'],
+                                  rtol=1e-12)
+
+
 @pytest.mark.parametrize('bn_fisher', ['diagonal', 'full'])
 @pytest.mark.parametrize('shape', [(6, 3, 4, 5), (6, 3)])
 # BatchRenormalization (r = 1, d = 0 by default: the same function) has a

@@ -294,6 +294,7 @@ def test_nan_gradient_skipped_when_configured():
     ({'factor_interval': {'A': 1}}, 'factor_interval'),
     ({'inverse_interval': 'often'}, 'inverse_interval'),
     ({'acc_iters': 0}, 'acc_iters'), ({'nonfinite': 'ignore'}, 'nonfinite'),
+    ({'spatial_subsample': 1.5}, 'spatial_subsample'),
 ])
 def test_bad_hyperparameters_name_the_problem(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

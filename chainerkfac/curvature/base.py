@@ -28,10 +28,13 @@ class NonFiniteError(FloatingPointError):
 
 #: What the optimizer tells every block at construction.
 #: ``factor_intervals`` maps ``'A'`` (forward statistics) and ``'G'``
-#: (backward statistics) to an interval (see :mod:`chainerkfac.schedules`).
+#: (backward statistics) to an interval (see :mod:`chainerkfac.schedules`);
+#: the others are the :class:`~chainerkfac.optimizers.KFAC` options of the
+#: same names.
 BlockOptions = collections.namedtuple(
     'BlockOptions',
-    ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher'])
+    ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher',
+     'spatial_subsample'])
 
 
 class FisherBlock:

@@ -30,7 +30,9 @@ class KroneckerBlock(base.FisherBlock):
         return [self.link.W] + ([self.link.b] if self.has_bias else [])
 
     def input_columns(self, x):
-        """Returns ``(Q, n)``: input columns ``(d, n T)``, the batch size."""
+        """Returns ``(Q, n)``: input columns ``(d, n T)`` and the number of
+        samples they stand for (the batch size; a fraction of it when only
+        some positions are taken, which rescales ``A`` to all of them)."""
         raise NotImplementedError
 
     def output_columns(self, gy):

@@ -111,6 +111,14 @@ def _choice(value, choices, what):
     return value
 
 
+def _positive_int(value, what):
+    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+            or value < 1):
+        raise ValueError('KFAC {} must be an int >= 1, got {!r}'
+                         .format(what, value))
+    return value
+
+
 def _work(cost_name):
     """``block -> flops`` of one stage, from the block's cost model."""
     def flops(block):
@@ -163,6 +171,10 @@ class KFAC(optimizer.GradientMethod):
             running statistics as they were.
         precondition (bool): ``False`` turns K-FAC off entirely (no hooks, no
             statistics): the optimizer is then exactly MomentumSGD.
+        spatial_subsample (int): Convolution A factors from every
+            ``spatial_subsample``-th output row and column only, rescaled to
+            all positions (Ba et al. 2017, appendix A); 1 takes every
+            position. 2 divides the largest statistics' work by about 4.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -174,7 +186,7 @@ class KFAC(optimizer.GradientMethod):
                  weight_decay=_default_hyperparam.weight_decay,
                  bn_damping_multiplier=(
                      _default_hyperparam.bn_damping_multiplier),
-                 nonfinite='raise', precondition=True):
+                 nonfinite='raise', precondition=True, spatial_subsample=1):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -206,11 +218,9 @@ class KFAC(optimizer.GradientMethod):
         if isinstance(self.inverse_interval, schedules.Adaptive):
             raise TypeError('KFAC inverse_interval cannot be Adaptive: '
                             'change rates are measured on factors')
-        if (not isinstance(acc_iters, numbers.Integral)
-                or isinstance(acc_iters, bool) or acc_iters < 1):
-            raise ValueError('KFAC acc_iters must be an int >= 1, got {!r}'
-                             .format(acc_iters))
-        self.acc_iters = acc_iters
+        self.acc_iters = _positive_int(acc_iters, 'acc_iters')
+        self.spatial_subsample = _positive_int(spatial_subsample,
+                                               'spatial_subsample')
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
@@ -239,7 +249,8 @@ class KFAC(optimizer.GradientMethod):
         options = base.BlockOptions(
             factor_intervals=self.factor_interval,
             inverse_interval=self.inverse_interval,
-            inverse=self.inverse, bn_fisher=self.bn_fisher)
+            inverse=self.inverse, bn_fisher=self.bn_fisher,
+            spatial_subsample=self.spatial_subsample)
         by_link = {}
         self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1)
         for path, child in link.namedlinks(skipself=False):
