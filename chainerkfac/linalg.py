@@ -11,7 +11,8 @@ Fisher block is approximated by ``A ⊗ G``; ``∇W̄`` is its gradient as an
 
   ``V`` comes from explicit inverses (matrix products) or from the Cholesky
   factors of ``A_d`` and ``G_d`` (triangular solves), whichever is cheaper
-  for how long the inverse is reused (:data:`EXPLICIT_INVERSE_MIN_REUSE`).
+  for the block's shape and how long the inverse is reused
+  (:func:`explicit_inverse_pays`).
 
 * Exact damping in the eigenbasis (``inverse='eigen'``, KAISA)::
 
@@ -158,19 +159,39 @@ def damped_cholesky(M, damping):
     """Returns the lower ``L`` with ``L Lᵀ = M + damping I``; never NaN.
 
     A factor is ``d³/3`` operations, a third of an explicit inverse; see
-    :data:`EXPLICIT_INVERSE_MIN_REUSE` for when each pays.
+    :func:`explicit_inverse_pays` for when each pays.
     """
     return _damped(M, damping, _cholesky)
 
 
-#: An inverse expected to serve at least this many steps is formed
-#: explicitly (``potrf`` + ``potri``, ``d³``) and applied by matrix products;
-#: otherwise the Cholesky factor alone (``d³/3``) is kept and applied by
-#: triangular solves, which run slower than products. On this project's
-#: 2-core CPU, for ResNet-50 at 224x224: factors 2.4 s instead of inverses
-#: 6.8 s, preconditioning 1.12 s instead of 0.87 s per step, so the explicit
-#: inverse pays off after about 16 steps.
-EXPLICIT_INVERSE_MIN_REUSE = 16
+#: Steps after which explicit inverses of a square layer's factors
+#: (``dim A = dim G``) have paid for themselves, over three; see
+#: :func:`explicit_inverse_pays`. Measured on this project's 2-core CPU
+#: (OpenBLAS, float32): between 6.5 (all of ResNet-50 at 224x224, two BLAS
+#: threads: inverses 4.4 s more than Cholesky factors per refresh, triangular
+#: solves 0.25 s more than products per step) and about 10 (single blocks,
+#: one thread).
+EXPLICIT_INVERSE_BREAK_EVEN = 8
+
+
+def explicit_inverse_pays(dim_A, dim_G, reuse):
+    """Whether to form ``A_d⁻¹, G_d⁻¹`` rather than keep Cholesky factors.
+
+    With ``a = dim A``, ``g = dim G``: the explicit inverses cost ``potri``
+    on top of the factors, about ``(a³ + g³) 2/3`` operations once; the
+    Cholesky factors are applied by triangular solves, which do the work of
+    the products ``2 a g (a + g)`` more slowly, at every step the inverse
+    serves. The inverses pay when::
+
+        reuse >= C (a³ + g³) / (3 a g (a + g)),   C = EXPLICIT_INVERSE_BREAK_EVEN
+
+    The ratio is at least 1/3 (at ``a = g``), so an inverse used for one
+    step is never formed explicitly; it is about 2.7 for a 3x3 convolution
+    (``a = 9 g``), which needs some 20 steps.
+    """
+    a, g = float(dim_A), float(dim_G)
+    return reuse * 3 * a * g * (a + g) >= \
+        EXPLICIT_INVERSE_BREAK_EVEN * (a ** 3 + g ** 3)
 
 
 def kronecker_precondition(grad, A_inv, G_inv):

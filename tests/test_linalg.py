@@ -24,3 +24,22 @@ def test_unpack_of_a_sum_is_the_sum():
     total = linalg.pack_symmetric(A) + linalg.pack_symmetric(B)
     numpy.testing.assert_allclose(linalg.unpack_symmetric(total, 5), A + B,
                                   rtol=1e-14)
+
+
+# The break-even reuse C (a³ + g³) / (3 a g (a + g)) is smallest, C/3, for a
+# square layer and grows with the imbalance of the two factors.
+def test_explicit_inverse_pays_after_the_break_even_reuse():
+    C = linalg.EXPLICIT_INVERSE_BREAK_EVEN
+    for a, g in [(1024, 1024), (4608, 512), (64, 256), (2049, 1000)]:
+        break_even = C * (a ** 3 + g ** 3) / (3 * a * g * (a + g))
+        assert not linalg.explicit_inverse_pays(a, g, break_even * 0.99)
+        assert linalg.explicit_inverse_pays(a, g, break_even * 1.01)
+        assert linalg.explicit_inverse_pays(g, a, break_even * 1.01)
+    # Never for an inverse used once; a square layer pays sooner than a 3x3
+    # convolution (A nine times larger than G).
+    assert not any(linalg.explicit_inverse_pays(d, d, 1) for d in (1, 512))
+    square = min(r for r in range(1, 200)
+                 if linalg.explicit_inverse_pays(512, 512, r))
+    conv = min(r for r in range(1, 200)
+               if linalg.explicit_inverse_pays(9 * 512, 512, r))
+    assert square == 3 and conv == 22

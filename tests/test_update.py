@@ -43,10 +43,10 @@ def full_gradient(link):
 
 
 # An inverse used once is kept as Cholesky factors (triangular solves); one
-# expected to serve EXPLICIT_INVERSE_MIN_REUSE steps is formed explicitly.
+# expected to serve many steps is formed explicitly.
 @pytest.mark.parametrize('inverse,inverse_interval,state', [
     ('cholesky', 1, 'A_chol'),
-    ('cholesky', chainerkfac.linalg.EXPLICIT_INVERSE_MIN_REUSE, 'A_inv'),
+    ('cholesky', 100, 'A_inv'),
     ('eigen', 1, 'A_eigvecs')])
 @pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
                                         (numpy.float32, 2e-3)])

@@ -70,7 +70,7 @@ class KroneckerBlock(base.FisherBlock):
             return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
                     'G_eigvals': w_G, 'G_eigvecs': Q_G}
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
-        if reuse >= linalg.EXPLICIT_INVERSE_MIN_REUSE:
+        if linalg.explicit_inverse_pays(len(A), len(G), reuse):
             return {'A_inv': linalg.damped_inverse(A, damping_A),
                     'G_inv': linalg.damped_inverse(G, damping_G)}
         return {'A_chol': linalg.damped_cholesky(A, damping_A),

@@ -142,8 +142,9 @@ class KFAC(optimizer.GradientMethod):
             for how each inverse applies it).
         cov_ema_decay (float): Weight of the *old* statistics in
             ``C <- d C + (1 - d) C_new``; 0 keeps fresh statistics only.
-        inverse (str): ``'cholesky'`` (explicit inverses, factored damping
-            with π) or ``'eigen'`` (eigendecompositions, exact damping).
+        inverse (str): ``'cholesky'`` (factored damping with π; explicit
+            inverses, or Cholesky factors for inverses used for few steps)
+            or ``'eigen'`` (eigendecompositions, exact damping).
         bn_fisher (str): ``'diagonal'`` (paper §5.4) or ``'full'``
             (``2C x 2C``) Fisher for BatchNormalization.
         factor_interval: Steps between refreshes of the statistics: an int,
