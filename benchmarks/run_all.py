@@ -50,6 +50,11 @@ def run(name, command):
     return proc.returncode
 
 
+def command_of(name, payload):
+    """The command line that wrote ``payload`` (the JSON of ``name``)."""
+    return PREFIX + name + '.py ' + ' '.join(payload.get('argv', []))
+
+
 def load(name):
     path = os.path.join(harness.results_dir(), name + '.json')
     if not os.path.exists(path):
@@ -302,6 +307,7 @@ def write_doc(full):
         'library does.', '']
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
+                  'Command: `{}`'.format(command_of('step_time', step)), '',
                   _env_line(step), '',
                   'Configurations: ' + '; '.join(
                       '`{}` {}'.format(k, v) for k, v in next(iter(
@@ -341,8 +347,8 @@ def write_doc(full):
         for name in extra:
             run = load(name)
             lines += ['### `{}`'.format(name), '',
-                      'Command: `{}`'.format(PREFIX + 'step_time.py ' +
-                                             ' '.join(run['argv'])), '',
+                      'Command: `{}`'.format(command_of('step_time', run)),
+                      '',
                       _env_line(run), '']
             for model, entry in run['models'].items():
                 text = step_time.report(model, entry['info']['batch'],
@@ -353,6 +359,7 @@ def write_doc(full):
     lines += _flop_section(step_runs)
     if peer:
         lines += ['## Peer: kfac-jax', '',
+                  'Command: `{}`'.format(command_of('peer', peer)), '',
                   'kfac-jax in its own environment (`benchmarks/.venv-peer`,'
                   ' created by `benchmarks/peer.py`; never a dependency of '
                   'the library), JAX on the CPU, the same models and '
@@ -369,7 +376,8 @@ def write_doc(full):
                     model, entry.get('error', '?')[-300:]), '']
     if tta:
         lines += ['## Time to accuracy', '',
-                  _env_line(tta), '',
+                  'Command: `{}`'.format(command_of('time_to_accuracy', tta)),
+                  '', _env_line(tta), '',
                   'K-FAC intervals (factors, inverses): {}. Medians over '
                   'the seeds of the best learning rate of each grid; '
                   'wall-clock counts training steps only.'.format(
@@ -387,6 +395,7 @@ def write_doc(full):
                       '![{}](benchmarks_figures/{})'.format(task, png), '']
     if dist:
         lines += ['## Distributed', '',
+                  'Command: `{}`'.format(command_of('distributed', dist)), '',
                   _env_line(dist), '',
                   'Model `{}`, factors and inverses every {} steps, '
                   '`.venv/bin/mpiexec -n P`. Stage times: median over steps '

@@ -94,7 +94,8 @@ CONFIGS = {
 }
 
 DEFAULT_CONFIGS = ['sgd', 'kfac_1', 'kfac_10_100', 'kfac_50_50',
-                   'kfac_stale_fisher', 'kfac_adaptive']
+                   'kfac_stale_fisher', 'kfac_adaptive', 'kfac_1_sub2',
+                   'kfac_10_100_sub2']
 KINDS = ('refresh', 'factors', 'stale')
 
 
