@@ -398,6 +398,15 @@ def write_json(name, payload):
     return path
 
 
+def read_json(name):
+    """The payload :func:`write_json` wrote as ``name``, or None."""
+    path = os.path.join(results_dir(), name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _default(obj):
     if isinstance(obj, (numpy.integer,)):
         return int(obj)

@@ -11,7 +11,6 @@ rewrites ``docs/benchmarks.md`` from those JSON files: the tables, the plots
 model. ``--skip NAME,...`` keeps a script's previous JSON.
 """
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -56,11 +55,7 @@ def command_of(name, payload):
 
 
 def load(name):
-    path = os.path.join(harness.results_dir(), name + '.json')
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return harness.read_json(name + '.json')
 
 
 # -- figures --------------------------------------------------------------------
@@ -376,22 +371,23 @@ def write_doc(full):
                     model, entry.get('error', '?')[-300:]), '']
     if tta:
         lines += ['## Time to accuracy', '',
-                  'Command: `{}`'.format(command_of('time_to_accuracy', tta)),
-                  '', _env_line(tta), '',
-                  'K-FAC intervals (factors, inverses): {}. Medians over '
-                  'the seeds of the best learning rate of each grid; '
-                  'wall-clock counts training steps only.'.format(
-                      tuple(tta['kfac_intervals'])), '']
+                  'Medians over the seeds of the best learning rate of each '
+                  'grid; wall-clock counts training steps only.', '']
         for task, entry in tta['tasks'].items():
             png = entry['plot']
             shutil.copy(os.path.join(harness.results_dir(), png),
                         os.path.join(FIGURES, png))
             lines += [entry['table'], '',
+                      'Command: `{}`'.format(command_of('time_to_accuracy',
+                                                        entry)), '',
+                      _env_line(entry), '',
                       '{} seeds, at most {} iterations, {} training and {} '
-                      'validation samples, learning rates {}.'.format(
+                      'validation samples, learning rates {}, K-FAC '
+                      'intervals (factors, inverses) {}.'.format(
                           entry['seeds'], entry['max_iter'],
                           entry['n_train'], entry['n_val'],
-                          entry.get('lr_grid')), '',
+                          entry.get('lr_grid'),
+                          tuple(entry['kfac_intervals'])), '',
                       '![{}](benchmarks_figures/{})'.format(task, png), '']
     if dist:
         lines += ['## Distributed', '',

@@ -136,9 +136,11 @@ TASKS = {
     # that iterations-to-target are exact; every 10 on the teacher task,
     # whose 2,000 validation samples cost about as much as a large-batch
     # step.
+    # Five seeds on the digits: a run takes seconds, and iterations to the
+    # target at batch 512 vary by half between seeds.
     'digits': dict(data=digits_data, model=digits_model, batches=(32, 512),
                    quick_batches=(32, 512), target=0.95, max_iter=400,
-                   eval_every=1),
+                   eval_every=1, seeds=5),
     # A step at batch 1024 takes about 1.3 s here (SGD): two learning rates
     # per optimizer and two seeds keep the full run under an hour.
     'teacher': dict(data=None, model=StudentCNN, batches=(128, 1024),
@@ -294,10 +296,17 @@ def main(argv=None):
             ', '.join(OPTIMIZERS)))
     grid = QUICK_LR_GRID if args.quick else LR_GRID
     n_train = args.n_train or (20000 if args.quick else 40000)
-    payload = {'script': 'time_to_accuracy', 'argv': sys.argv[1:],
-               'environment': harness.environment(),
-               'kfac_intervals': intervals, 'lr_grid': grid, 'tasks': {}}
-    for task_name in args.tasks.split(','):
+    task_names = args.tasks.split(',')
+    environment = harness.environment()
+    payload = {'script': 'time_to_accuracy', 'tasks': {}}
+    # A run of some tasks keeps the others' results from the same file;
+    # every task records the command and machine state that produced it.
+    previous = harness.read_json(args.out)
+    if previous and previous.get('script') == 'time_to_accuracy':
+        payload['tasks'] = {name: entry for name, entry
+                            in previous['tasks'].items()
+                            if name not in task_names}
+    for task_name in task_names:
         task = dict(TASKS[task_name])
         task_grid = task.get('lr_grid', grid)
         if args.quick:
@@ -371,7 +380,8 @@ def main(argv=None):
                            'tta_{}.png'.format(task_name))
         plot(task_name, runs, best, task['target'], png)
         payload['tasks'][task_name] = {
-            'target': task['target'], 'max_iter': max_iter, 'seeds': seeds,
+            'argv': sys.argv[1:], 'environment': environment,
+            'kfac_intervals': intervals, 'target': task['target'], 'max_iter': max_iter, 'seeds': seeds,
             'lr_grid': task_grid,
             'batches': task['batches'],
             'n_train': len(data[0][0]), 'n_val': len(data[1][0]),
@@ -380,6 +390,8 @@ def main(argv=None):
             'best': [dict(batch=b, optimizer=o, **v)
                      for (b, o), v in best.items()],
             'table': text, 'plot': os.path.relpath(png, harness.results_dir())}
+        payload['tasks'] = {name: payload['tasks'][name] for name in TASKS
+                            if name in payload['tasks']}
         path = harness.write_json(args.out, payload)
     print('written', path)
     return payload
