@@ -183,24 +183,24 @@ def _targets_section(step_runs, peer, dist, tta):
                      '-' if ours is None else '{:.2f}x vs {:.2f}x'.format(
                          ours, theirs),
                      _verdict(None if ours is None else ours < theirs)])
+    if tta:
+        import time_to_accuracy
     for task, entry in (tta or {}).get('tasks', {}).items():
         large = max(entry['batches'])
-        best = {b['optimizer']: b for b in entry['best']
-                if b['batch'] == large}
-        s = best.get('sgd')
-        for name in sorted(n for n in best if n != 'sgd'):
-            k = best[name]
+        _, best = time_to_accuracy.best_of(entry)
+        for name in sorted(o for b, o in best if b == large and o != 'sgd'):
             label = '{} batch {}: {} iterations to {:.0%}'.format(
                 task, large, name, entry['target'])
-            if s and s['iterations'] and k['iterations']:
-                it = k['iterations'] / s['iterations']
-                wall = k['wall'] / s['wall']
+            r = time_to_accuracy.ratios(best, large, name)
+            if r is None:
                 rows.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
-                             '{:.2f}x, wall-clock {:.2f}x'.format(it, wall),
-                             _verdict(it <= 0.5 and wall < 1)])
-            else:
-                rows.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
-                             'a run missed the target', '**no**'])
+                             'K-FAC missed the target', '**no**'])
+                continue
+            bound = '< ' if r[2] else ''
+            rows.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
+                         '{0}{1:.2f}x, wall-clock {0}{2:.2f}x'.format(
+                             bound, *r[:2]),
+                         _verdict(r[0] <= 0.5 and r[1] < 1)])
     if dist:
         table = dist['imbalance']['table']
         for ranks in (8, 16, 32, 64):
@@ -422,6 +422,7 @@ def write_doc(full):
                 lines += ['{}: failed: `{}`'.format(
                     model, entry.get('error', '?')[-300:]), '']
     if tta:
+        import time_to_accuracy
         lines += ['## Time to accuracy', '',
                   'Medians over the seeds of the best learning rate of each '
                   'grid; wall-clock counts training steps only.', '']
@@ -429,7 +430,12 @@ def write_doc(full):
             png = entry['plot']
             shutil.copy(os.path.join(harness.results_dir(), png),
                         os.path.join(FIGURES, png))
-            lines += [entry['table'], '',
+            _, best = time_to_accuracy.best_of(entry)
+            optimizers = [o for o in time_to_accuracy.OPTIMIZERS
+                          if any(o == name for _, name in best)]
+            lines += [time_to_accuracy.report(task, entry['target'],
+                                              entry['batches'], optimizers,
+                                              best), '',
                       'Command: `{}`'.format(command_of('time_to_accuracy',
                                                         entry)), '',
                       _env_line(entry), '',

@@ -218,8 +218,15 @@ def _median(values):
     return None if m == float('inf') else m
 
 
-def summarise(runs):
-    """Best learning rate per (batch, optimizer) and its medians."""
+def summarise(runs, max_iter):
+    """Best learning rate per (batch, optimizer) and its medians.
+
+    A run that misses the target takes more than ``max_iter`` iterations
+    and more than the wall-clock it spent, so ``at_least`` holds lower
+    bounds of the best learning rate's medians: over the learning rates,
+    the smallest median of (iterations or ``max_iter``) and of (wall-clock
+    to the target or to the end of the run).
+    """
     best = {}
     for (batch, opt, lr), seeds in runs.items():
         its = _median([r['iterations'] for r in seeds])
@@ -228,12 +235,72 @@ def summarise(runs):
         key = (batch, opt)
         cand = {'lr': lr, 'iterations': its, 'wall': wall,
                 'reached': '{}/{}'.format(reached, len(seeds))}
+        bound = {'iterations': _median([r['iterations'] or max_iter
+                                        for r in seeds]),
+                 'wall': _median([r['wall'] or _spent(r) for r in seeds])}
         old = best.get(key)
         score = float('inf') if its is None else its
         if old is None or score < (float('inf') if old['iterations'] is None
                                    else old['iterations']):
+            cand['at_least'] = old['at_least'] if old else bound
             best[key] = cand
+        cand = best[key]
+        cand['at_least'] = {k: min(v, bound[k])
+                            for k, v in cand['at_least'].items()}
     return best
+
+
+def _spent(run):
+    """Training wall-clock of a run that stopped without the target."""
+    return run['curve'][-1][1] if run['curve'] else 0.0
+
+
+def ratios(best, batch, name):
+    """``(iterations, wall-clock)`` of ``name`` over SGD at ``batch``, and
+    whether they are upper bounds (SGD missed the target); ``None`` where
+    ``name`` missed it."""
+    s, k = best.get((batch, 'sgd')), best.get((batch, name))
+    if not s or not k or k['iterations'] is None:
+        return None
+    if s['iterations'] is not None:
+        return k['iterations'] / s['iterations'], k['wall'] / s['wall'], False
+    low = s['at_least']
+    return k['iterations'] / low['iterations'], k['wall'] / low['wall'], True
+
+
+def report(task_name, target, batches, optimizers, best):
+    """The table of one task: best learning rate, medians and ratios."""
+    rows = []
+    for batch in batches:
+        for name in optimizers:
+            b = best.get((batch, name))
+            if b is None:
+                continue
+            r = None if name == 'sgd' else ratios(best, batch, name)
+            cells = ['', ''] if name == 'sgd' else ['-', '-'] if r is None \
+                else ['{}{:.2f}'.format('< ' if r[2] else '', v)
+                      for v in r[:2]]
+            rows.append([str(batch), name, str(b['lr']),
+                         str(b['iterations']) if b['iterations'] else
+                         'missed (> {})'.format(b['at_least']['iterations']),
+                         harness.fmt_s(b['wall']), b['reached']] + cells)
+    return '### {} (target {:.0%} validation accuracy)\n\n'.format(
+        task_name, target) + harness.table(rows, [
+            'batch', 'optimizer', 'best lr', 'median iterations',
+            'median wall-clock', 'seeds reaching', 'KFAC/SGD iterations',
+            'KFAC/SGD wall-clock']) + (
+        '\n\n`<`: SGD missed the target with every learning rate, so the '
+        'ratio is over a lower bound of its iterations or wall-clock (the '
+        'iteration cap, the time spent).' if any(
+            b['iterations'] is None for (_, o), b in best.items()
+            if o == 'sgd') else '')
+
+
+def best_of(entry):
+    """``summarise`` of a task's entry in the JSON."""
+    runs = {(r['batch'], r['optimizer'], r['lr']): r['seeds']
+            for r in entry['runs']}
+    return runs, summarise(runs, entry['max_iter'])
 
 
 def plot(task_name, runs, best, target, path):
@@ -351,37 +418,17 @@ def main(argv=None):
                                       'missed (best {:.3f})'.format(
                                           max([c[2] for c in r['curve']]
                                               or [0]))), flush=True)
-        best = summarise(runs)
-        rows = []
-        for batch in task['batches']:
-            s = best.get((batch, 'sgd'))
-            for name in optimizers:
-                b = best.get((batch, name))
-                ratio_it = (b['iterations'] / s['iterations']
-                            if s['iterations'] and b['iterations'] else None)
-                ratio_wall = (b['wall'] / s['wall']
-                              if s['wall'] and b['wall'] else None)
-                rows.append([str(batch), name, str(b['lr']),
-                             str(b['iterations']), harness.fmt_s(b['wall']),
-                             b['reached'],
-                             '' if name == 'sgd' else
-                             ('{:.2f}'.format(ratio_it) if ratio_it
-                              else '-'),
-                             '' if name == 'sgd' else
-                             ('{:.2f}'.format(ratio_wall) if ratio_wall
-                              else '-')])
-        text = '### {} (target {:.0%} validation accuracy)\n\n'.format(
-            task_name, task['target']) + harness.table(rows, [
-                'batch', 'optimizer', 'best lr', 'median iterations',
-                'median wall-clock', 'seeds reaching', 'KFAC/SGD iterations',
-                'KFAC/SGD wall-clock'])
+        best = summarise(runs, max_iter)
+        text = report(task_name, task['target'], task['batches'],
+                      optimizers, best)
         print(text, flush=True)
         png = os.path.join(harness.results_dir(),
                            'tta_{}.png'.format(task_name))
         plot(task_name, runs, best, task['target'], png)
         payload['tasks'][task_name] = {
             'argv': sys.argv[1:], 'environment': environment,
-            'kfac_intervals': intervals, 'target': task['target'], 'max_iter': max_iter, 'seeds': seeds,
+            'kfac_intervals': intervals, 'target': task['target'],
+            'max_iter': max_iter, 'seeds': seeds,
             'lr_grid': task_grid,
             'batches': task['batches'],
             'n_train': len(data[0][0]), 'n_val': len(data[1][0]),
