@@ -257,8 +257,8 @@ def _spent(run):
 
 def ratios(best, batch, name):
     """``(iterations, wall-clock)`` of ``name`` over SGD at ``batch``, and
-    whether they are upper bounds (SGD missed the target); ``None`` where
-    ``name`` missed it."""
+    whether they are upper bounds (SGD's medians are only bounded: half its
+    seeds or more missed the target); ``None`` where ``name``'s did."""
     s, k = best.get((batch, 'sgd')), best.get((batch, name))
     if not s or not k or k['iterations'] is None:
         return None
@@ -282,16 +282,17 @@ def report(task_name, target, batches, optimizers, best):
                       for v in r[:2]]
             rows.append([str(batch), name, str(b['lr']),
                          str(b['iterations']) if b['iterations'] else
-                         'missed (> {})'.format(b['at_least']['iterations']),
+                         '> {:g}'.format(b['at_least']['iterations']),
                          harness.fmt_s(b['wall']), b['reached']] + cells)
     return '### {} (target {:.0%} validation accuracy)\n\n'.format(
         task_name, target) + harness.table(rows, [
             'batch', 'optimizer', 'best lr', 'median iterations',
             'median wall-clock', 'seeds reaching', 'KFAC/SGD iterations',
             'KFAC/SGD wall-clock']) + (
-        '\n\n`<`: SGD missed the target with every learning rate, so the '
-        'ratio is over a lower bound of its iterations or wall-clock (the '
-        'iteration cap, the time spent).' if any(
+        '\n\n`>`, `<`: with every learning rate, SGD missed the target on '
+        'half the seeds or more, so its median is bounded below (a missed '
+        'run counts its iteration cap and the time it spent) and the ratio '
+        'over it is an upper bound.' if any(
             b['iterations'] is None for (_, o), b in best.items()
             if o == 'sgd') else '')
 
