@@ -51,7 +51,7 @@ def run(name, command):
 
 def command_of(name, payload):
     """The command line that wrote ``payload`` (the JSON of ``name``)."""
-    return PREFIX + name + '.py ' + ' '.join(payload.get('argv', []))
+    return ' '.join([PREFIX + name + '.py'] + payload.get('argv', []))
 
 
 def load(name):
