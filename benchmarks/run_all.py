@@ -349,10 +349,11 @@ def write_doc(full):
         'The load-imbalance target cannot be met by any placement that '
         'gives each block one owner, which the reduce-scatter-v of the '
         'paper\'s stages implies: the floor column is the largest single '
-        'block (a res5 3x3 convolution, whose 4608 x 4608 A factor is a '
-        'fifth of all the inversion and preconditioning work) times the '
-        'ranks over the total, and the cost model reaches that floor from '
-        '8 ranks on. Going below it needs one inverse split over ranks '
+        'block (a res5 3x3 convolution, whose 4608 x 4608 A factor is '
+        'almost a fifth of all the inversion and preconditioning work) '
+        'times the ranks over the total, and the cost model reaches that '
+        'floor from 8 ranks on. Going below it needs one inverse split '
+        'over ranks '
         '(a distributed Cholesky), which neither the paper nor this '
         'library does.', '']
     lines += _stale_budget(step_runs)

@@ -137,6 +137,13 @@ class RefreshSchedule:
                              .format(self.policy, value, step))
         return value
 
+    def initial_interval(self):
+        """The interval in force at the first iteration of a fresh run,
+        whatever this schedule has adapted since."""
+        if isinstance(self.policy, Adaptive):
+            return self.policy.min_interval
+        return self.current_interval(1)
+
     def due(self, step):
         """Whether the factor must be refreshed at iteration ``step``."""
         return self.last is None or step - self.last >= \

@@ -1,6 +1,7 @@
 """Cost-balanced placement of curvature blocks (no MPI involved)."""
 import pytest
 
+from chainerkfac import linalg
 from chainerkfac.distributed.assignment import Assignment
 from chainerkfac.distributed.assignment import BlockCost
 from chainerkfac.distributed.assignment import assign_blocks
@@ -47,10 +48,31 @@ def test_costs_hand_computed():
     k = BlockCost('fc', 'kronecker', (3, 2))
     assert k.inverse_cost == 27 + 8
     assert k.precondition_cost == 2 * 2 * 3 * 5
-    assert k.cost() == 35 + 60
-    assert k.cost(refresh_fraction=0.1) == pytest.approx(3.5 + 60)
+    # Explicit inverses pay from 8 * 35 / (3 * 3 * 2 * 5) = 3.1 steps on;
+    # below, Cholesky factors: a third of the inverse, slower solves.
+    assert k.cost() == pytest.approx(35 / 3 + 9 / 8 * 60)
+    assert k.cost(refresh_fraction=0.5) == pytest.approx(35 / 6 + 9 / 8 * 60)
+    assert k.cost(refresh_fraction=0.25) == pytest.approx(35 / 4 + 60)
+    assert k.cost(refresh_fraction=0.0) == 60
     assert BlockCost('bn', 'diagonal', (4,)).cost() == 8 + 8
     assert BlockCost('bn', 'full', (4,)).cost() == 8 ** 3 + 2 * 8 ** 2
+
+
+@pytest.mark.parametrize('dims', [(3, 2), (4608, 512), (1024, 256),
+                                  (2049, 1000)])
+def test_cost_takes_the_cheaper_form(dims):
+    # The cost model charges the form the block computes, and that form is
+    # the cheaper one under the model: the two agree on the break-even.
+    block = BlockCost('k', 'kronecker', dims)
+    I, P = block.inverse_cost, block.precondition_cost
+    C = linalg.EXPLICIT_INVERSE_BREAK_EVEN
+    for reuse in [1, 2, 3, 5, 10, 20, 50, 100, 1000]:
+        f = 1 / reuse
+        explicit, cholesky = f * I + P, f * I / 3 + (1 + 1 / C) * P
+        expected = (explicit if linalg.explicit_inverse_pays(*dims, reuse)
+                    else cholesky)
+        assert block.cost(f) == pytest.approx(expected)
+        assert block.cost(f) == pytest.approx(min(explicit, cholesky))
 
 
 @pytest.mark.parametrize('kind, dims', [
@@ -62,8 +84,10 @@ def test_invalid_block(kind, dims):
 
 
 def test_hand_checked_lpt():
-    # Costs 95, 95, 16, 8, 16 (diagonal C=2 -> 4 + 4) on 2 ranks. LPT takes
-    # a, b, c, e, d: a->r0, b->r1, c->r0 (tie: lower rank), e->r1, d->r0.
+    # Costs k, k, 16, 8, 16 (k = 475/6, above; diagonal C=2 -> 4 + 4) on 2
+    # ranks. LPT takes a, b, c, e, d: a->r0, b->r1, c->r0 (tie: lower rank),
+    # e->r1, d->r0.
+    k = 475 / 6
     blocks = [BlockCost('a', 'kronecker', (3, 2)),
               BlockCost('b', 'kronecker', (3, 2)),
               BlockCost('c', 'diagonal', (4,)),
@@ -71,8 +95,8 @@ def test_hand_checked_lpt():
               BlockCost('e', 'diagonal', (4,))]
     result = assign_blocks(blocks, 2)
     assert result.owners == (0, 1, 0, 0, 1)
-    assert result.loads == (95 + 16 + 8, 95 + 16)
-    assert result.load_imbalance == pytest.approx(119 / 115)
+    assert result.loads == pytest.approx((k + 16 + 8, k + 16))
+    assert result.load_imbalance == pytest.approx((k + 24) / (k + 20))
     assert result.blocks_of(1) == (1, 4)
     assert result.idle_ranks == ()
     assert result.buffer_order() == (0, 2, 3, 1, 4)
@@ -82,8 +106,15 @@ def test_hand_checked_lpt():
     # By count: [a, b, c] | [d, e].
     by_count = assign_blocks_by_count(blocks, 2)
     assert by_count.owners == (0, 0, 0, 1, 1)
-    assert by_count.loads == (95 + 95 + 16, 8 + 16)
-    assert by_count.load_imbalance == pytest.approx(206 / 115)
+    assert by_count.loads == pytest.approx((2 * k + 16, 8 + 16))
+    assert by_count.load_imbalance == pytest.approx((2 * k + 16) / (k + 20))
+    # One refresh fraction per block: b, never refreshed, costs its
+    # products alone (60) and takes the two 16s.
+    per_block = assign_blocks(blocks, 2, [1, 0, 1, 1, 1])
+    assert per_block.owners == (0, 1, 1, 0, 1)
+    assert per_block.loads == pytest.approx((k + 8, 60 + 32))
+    with pytest.raises(ValueError, match='one per block'):
+        assign_blocks(blocks, 2, [1, 1])
 
 
 def test_count_split_is_array_split():

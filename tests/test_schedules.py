@@ -147,3 +147,18 @@ def test_inverse_reuse(factor_interval, inverse_interval, reuse):
                                       inverse_interval=inverse_interval)
     opt.setup(L.Linear(3, 2))
     assert opt.blocks[0].inverse_reuse(1) == reuse
+
+
+def test_initial_inverse_reuse_ignores_adapted_state():
+    # Distributed K-FAC places blocks by the first iteration's reuse, which
+    # must not change when a run resumes with adapted intervals.
+    opt = chainerkfac.optimizers.KFAC(
+        factor_interval=schedules.Adaptive(min_interval=2),
+        inverse_interval=lambda t: 1 if t < 50 else 30)
+    opt.setup(L.Linear(3, 2))
+    block = opt.blocks[0]
+    for f in block.factors:
+        block.schedules[f].mark(1, change_rate=0.0)
+    assert block.inverse_reuse(1) == 4
+    assert block.inverse_reuse(60) == 30
+    assert block.inverse_reuse() == 2

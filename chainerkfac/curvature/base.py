@@ -191,12 +191,22 @@ class FisherBlock:
         weight decay (Osawa et al. §4.2), which this block's weights get."""
         return hyperparam.damping + hyperparam.weight_decay
 
-    def inverse_reuse(self, step):
+    def inverse_reuse(self, step=None):
         """Steps an inverse computed at ``step`` is expected to serve: the
         inverse interval, or the shortest factor interval if longer (an
-        inverse is only recomputed after a factor changed)."""
-        return max([self.inverse_schedule.current_interval(step)]
-                   + [min(self.schedules[f].current_interval(step)
+        inverse is only recomputed after a factor changed).
+
+        ``step=None`` asks about the first iteration of a fresh run, which
+        depends on the interval options alone, not on the schedules' state.
+        """
+        if step is None:
+            def interval(schedule):
+                return schedule.initial_interval()
+        else:
+            def interval(schedule):
+                return schedule.current_interval(step)
+        return max([interval(self.inverse_schedule)]
+                   + [min(interval(self.schedules[f])
                           for f in self.factors)])
 
     def compute_inverse(self, damping, reuse):

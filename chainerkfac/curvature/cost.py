@@ -7,6 +7,8 @@ process (:mod:`chainerkfac.cpu_parallel`).
 """
 import dataclasses
 
+from chainerkfac import linalg
+
 
 #: Block kinds and the number of dimensions each takes.
 KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
@@ -31,6 +33,8 @@ class BlockCost:
     * ``'kronecker'``: inverting both factors (Cholesky ``potrf`` + ``potri``,
       about ``d³`` each) costs ``d_A³ + d_G³``; preconditioning
       ``G⁻¹ ∇W A⁻¹`` is two matrix products, ``2 d_G d_A (d_A + d_G)``.
+      A block whose inverse serves few steps keeps Cholesky factors instead
+      (:meth:`cost`).
     * ``'full'``: a dense ``2C x 2C`` Fisher of (γ, β): ``(2C)³`` to invert,
       ``2 (2C)²`` for the matrix-vector product.
     * ``'diagonal'``: ``2C`` reciprocals and ``2C`` products.
@@ -73,5 +77,20 @@ class BlockCost:
 
     def cost(self, refresh_fraction=1.0):
         """Operations per iteration when inverses are refreshed on a
-        ``refresh_fraction`` of the iterations (1 without stale Fisher)."""
-        return refresh_fraction * self.inverse_cost + self.precondition_cost
+        ``refresh_fraction`` ``f`` of the iterations (1 without stale Fisher).
+
+        A Kronecker block takes the form
+        :func:`chainerkfac.linalg.explicit_inverse_pays` chooses for an
+        inverse serving ``1/f`` steps. With ``I = d_A³ + d_G³``, ``P`` the
+        preconditioning products and ``C`` the rule's break-even constant,
+        it costs ``f I + P`` with explicit inverses, and ``f I / 3 +
+        (1 + 1/C) P`` with Cholesky factors (``potrf`` only; triangular
+        solves do the products' work more slowly, by the ``P / C`` per step
+        that puts the rule's break-even where it is).
+        """
+        if self.kind != 'kronecker' or refresh_fraction == 0 or \
+                linalg.explicit_inverse_pays(*self.dims, 1 / refresh_fraction):
+            return refresh_fraction * self.inverse_cost + self.precondition_cost
+        return (refresh_fraction * self.inverse_cost / 3
+                + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN)
+                * self.precondition_cost)

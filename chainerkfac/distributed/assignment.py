@@ -10,8 +10,8 @@ the smallest BatchNormalization block. The count-based split of the original
 implementation (consecutive equal-count chunks, network order) gives the
 ranks that hold the last stage most of the work: a max/mean load of 3.3 at
 4 ranks and 4.2 at 8, where longest-processing-time-first reaches 1.0 and
-1.6 (1.6 is the floor: the res5 3x3 convolution alone is a fifth of the
-total).
+1.47 (1.47 is the floor: the res5 3x3 convolution alone is almost a fifth
+of the total).
 
 Everything here is a pure function of (blocks, costs, world size): every rank
 computes the same :class:`Assignment` without communicating.
@@ -106,10 +106,20 @@ def _check(blocks, world_size):
     return blocks, int(world_size)
 
 
-def _assignment(blocks, owners, world_size, refresh_fraction):
+def _costs(blocks, refresh_fraction):
+    if isinstance(refresh_fraction, (int, float)):
+        refresh_fraction = [refresh_fraction] * len(blocks)
+    fractions = list(refresh_fraction)
+    if len(fractions) != len(blocks):
+        raise ValueError('expected one refresh_fraction or {}, one per '
+                         'block, got {}'.format(len(blocks), len(fractions)))
+    return [b.cost(f) for b, f in zip(blocks, fractions)]
+
+
+def _assignment(blocks, owners, world_size, costs):
     loads = [0.0] * world_size
-    for block, owner in zip(blocks, owners):
-        loads[owner] += block.cost(refresh_fraction)
+    for cost, owner in zip(costs, owners):
+        loads[owner] += cost
     return Assignment(names=tuple(b.name for b in blocks),
                       owners=tuple(owners), loads=tuple(loads))
 
@@ -127,25 +137,27 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0):
         blocks (iterable of BlockCost): The curvature blocks, in a fixed
             order (the same on every rank).
         world_size (int): Number of ranks.
-        refresh_fraction (float): Fraction of the iterations that refresh
-            the inverses (1 without stale Fisher); preconditioning happens
-            every iteration. It scales the inverse costs, which assume a
-            Cholesky inverse; an eigendecomposition costs several times more
-            per ``d³`` and can be accounted for by scaling it up.
+        refresh_fraction (float or sequence of float): Fraction of the
+            iterations that refresh the inverses (1 without stale Fisher),
+            one for all blocks or one per block; preconditioning happens
+            every iteration. It weighs the inverse costs and picks each
+            block's form (:meth:`BlockCost.cost`); an eigendecomposition
+            costs several times more per ``d³`` and can be accounted for by
+            scaling the fraction up.
 
     Returns:
         Assignment: ``owners`` follows the order of ``blocks``.
     """
     blocks, world_size = _check(blocks, world_size)
-    order = sorted(range(len(blocks)),
-                   key=lambda i: (-blocks[i].cost(refresh_fraction), i))
+    costs = _costs(blocks, refresh_fraction)
+    order = sorted(range(len(blocks)), key=lambda i: (-costs[i], i))
     heap = [(0.0, rank) for rank in range(world_size)]
     owners = [None] * len(blocks)
     for i in order:
         load, rank = heapq.heappop(heap)
         owners[i] = rank
-        heapq.heappush(heap, (load + blocks[i].cost(refresh_fraction), rank))
-    return _assignment(blocks, owners, world_size, refresh_fraction)
+        heapq.heappush(heap, (load + costs[i], rank))
+    return _assignment(blocks, owners, world_size, costs)
 
 
 def assign_blocks_by_count(blocks, world_size, refresh_fraction=1.0):
@@ -161,4 +173,5 @@ def assign_blocks_by_count(blocks, world_size, refresh_fraction=1.0):
     owners = []
     for rank in range(world_size):
         owners += [rank] * (base + (1 if rank < extra else 0))
-    return _assignment(blocks, owners, world_size, refresh_fraction)
+    return _assignment(blocks, owners, world_size,
+                       _costs(blocks, refresh_fraction))

@@ -88,9 +88,13 @@ class HybridParallelStages(kfac.LocalStages):
     # -- stage 3 ------------------------------------------------------------
 
     def _assign(self, optimizer):
+        # Only owners keep a block's factors, so the placement must come out
+        # the same when a run resumes: it follows the intervals of a fresh
+        # run's first iteration, which the options alone decide.
         self.assignment = assignment_module.assign_blocks(
             [assignment_module.BlockCost(b.name, *b.assignment_cost())
-             for b in optimizer.blocks], self.comm.size)
+             for b in optimizer.blocks], self.comm.size,
+            [1 / b.inverse_reuse() for b in optimizer.blocks])
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s', self.comm.size,
