@@ -147,9 +147,9 @@ def _targets_section(step_runs, peer, dist, tta):
                 models[model] = entry
     for model in ('resnet50', 'resnet50_w4'):
         for config, limit in STEP_TARGETS.items():
-            # The spatial-subsampling variant, where it ran, beside the
+            # The subsampling variants, where they ran, beside the
             # configuration the target names.
-            for name in (config, config + '_sub2'):
+            for name in (config, config + '_sub2', config + '_bsub4'):
                 r = _ratio(models.get(model), name)
                 if r is None and name != config:
                     continue
@@ -236,15 +236,18 @@ def _stale_budget(step_runs):
              sum(stale[k] - base[k] for k in ('forward', 'backward',
                                               'update'))],
             ['preconditioning, every step', stale['precondition']]]
-    floor = stale['precondition']
+    floors = []
     for config, label in (('kfac_1', ''),
-                          ('kfac_1_sub2', ', spatial_subsample=2')):
+                          ('kfac_1_sub2', ', spatial_subsample=2'),
+                          ('kfac_1_bsub4', ', batch_subsample=4')):
         refresh = res.get(config, {}).get('stages_median', {}).get('refresh')
         if refresh:
             rows.append(['factor statistics{}, every 10th step'.format(
                 label), refresh['statistics'] / 10])
+            floors.append('{:.2f}x{}'.format(
+                1 + (stale['precondition'] + refresh['statistics'] / 10)
+                / sgd, label.replace(',', ' with')))
             if config == 'kfac_1':
-                floor += refresh['statistics'] / 10
                 rows.append(['inverses, every 100th step',
                              refresh['inversion'] / 100])
     table = harness.table(
@@ -259,8 +262,9 @@ def _stale_budget(step_runs):
             table, '',
             'Preconditioning (two dense products per block, every step) '
             'and the factor statistics every 10th step alone come to '
-            '{:.2f}x SGD; subsampling the statistics is the lever that '
-            'remains at these intervals.'.format(1 + floor / sgd), '']
+            '{} SGD: at these intervals, what subsampling leaves of the '
+            'statistics decides how close the step gets to SGD\'s.'.format(
+                ', '.join(floors)), '']
 
 
 def _flop_section(step_runs):

@@ -24,8 +24,8 @@ timed window holds no step of a kind that the schedule needs (a run shorter
 than the interval), the median of that kind is taken from a configuration
 doing the same work, and the table marks it ``*``: a refresh step from
 ``kfac_1`` (statistics, inverses and preconditioning every step; its
-``_subN`` variant for a ``_subN`` configuration); a factor step as this
-configuration's stale step plus ``kfac_1``'s statistics stage. (``kfac_1``
+``_subN`` or ``_bsubN`` variant for such a configuration); a factor step as
+this configuration's stale step plus that ``kfac_1``'s statistics stage. (``kfac_1``
 keeps Cholesky factors, which are cheaper to form than the explicit inverses
 that long intervals use: on ResNet-50 at 224x224 about 4 s more per
 refresh, 0.04 s a step at an inverse interval of 100.) Long runs
@@ -39,6 +39,7 @@ import gc
 import os
 import sys
 import time
+import re
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,6 +92,12 @@ CONFIGS = {
                          'spatial_subsample=2',
                          _kfac(factor_interval=10, inverse_interval=100,
                                spatial_subsample=2), None),
+    'kfac_1_bsub4': ('K-FAC, refresh every step, batch_subsample=4',
+                     _kfac(batch_subsample=4), None),
+    'kfac_10_100_bsub4': ('K-FAC, factors every 10, inverses every 100, '
+                          'batch_subsample=4',
+                          _kfac(factor_interval=10, inverse_interval=100,
+                                batch_subsample=4), None),
 }
 
 DEFAULT_CONFIGS = ['sgd', 'kfac_1', 'kfac_10_100', 'kfac_50_50',
@@ -284,9 +291,9 @@ def analyse(runners, sgd_name='sgd'):
 
 def _refresh_every_step(name):
     """The configuration doing the same work every step as ``name`` on its
-    refresh steps: ``kfac_1``, with the same ``_subN`` variant."""
-    suffix = name[name.rindex('_sub'):] if '_sub' in name else ''
-    return 'kfac_1' + suffix
+    refresh steps: ``kfac_1``, with the same ``_subN`` / ``_bsubN``
+    variant."""
+    return 'kfac_1' + re.search(r'(_b?sub\d+)*$', name).group()
 
 
 def _ratio_cell(summ):

@@ -156,7 +156,8 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 
 #: Optimizers that can be compared (``--optimizers``); every one but
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
-OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2}}
+OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
+              'kfac_bsub4': {'batch_subsample': 4}}
 
 
 def make_optimizer(name, lr, intervals):
@@ -311,7 +312,8 @@ def plot(task_name, runs, best, target, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7),
                              squeeze=False)
-    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red', 'kfac_sub2': 'tab:green'}
+    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red', 'kfac_sub2': 'tab:green',
+              'kfac_bsub4': 'tab:purple'}
     optimizers = sorted({o for _, o in best}, key=list(OPTIMIZERS).index)
     for col, batch in enumerate(batches):
         for opt in optimizers:

@@ -102,6 +102,39 @@ def test_spatially_subsampled_convolution_a_factor(ksize, stride, pad,
                                   rtol=1e-12)
 
 
+@pytest.mark.parametrize('k', [2, 3, 7])
+def test_batch_subsampled_factors(k):
+    # A and G of the first ⌈n/k⌉ samples, each divided by that count; G's
+    # per-sample gradients keep the scale of the mean loss over all n.
+    rng = numpy.random.RandomState(6)
+    link = L.Convolution2D(2, 3, 3, stride=2, pad=1)
+    link.W.array = rng.randn(*link.W.shape)
+    link.b.array = rng.randn(3)
+    x = rng.randn(7, 2, 6, 5)
+    y = link(x)
+    r = rng.randn(*y.shape)
+    m = -(-7 // k)
+    gy = per_sample_output_grads(link, x, r)[:m]
+    n, out, oh, ow = gy.shape
+    patches = brute_force.conv_patches(x[:m], (3, 3), link.stride,
+                                       link.pad, link.dilate)
+    rows = gy.reshape(n, out, oh * ow).transpose(0, 2, 1)
+    A, G = brute_force.kronecker_factors(patches, rows, True)
+    block = collect(link, x, r, batch_subsample=k)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+    # Linear blocks subsample alike; spatial subsampling composes (A only).
+    with chainer.using_config('dtype', numpy.float64):
+        linear = L.Linear(5, 3)
+    x = rng.randn(7, 5)
+    r = rng.randn(7, 3)
+    gy = per_sample_output_grads(linear, x, r)[:m]
+    A, G = brute_force.kronecker_factors(x[:m, None], gy[:, None], True)
+    block = collect(linear, x, r, batch_subsample=k, spatial_subsample=2)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+
+
 @pytest.mark.parametrize('bn_fisher', ['diagonal', 'full'])
 @pytest.mark.parametrize('shape', [(6, 3, 4, 5), (6, 3)])
 # BatchRenormalization (r = 1, d = 0 by default: the same function) has a

@@ -295,6 +295,7 @@ def test_nan_gradient_skipped_when_configured():
     ({'inverse_interval': 'often'}, 'inverse_interval'),
     ({'acc_iters': 0}, 'acc_iters'), ({'nonfinite': 'ignore'}, 'nonfinite'),
     ({'spatial_subsample': 1.5}, 'spatial_subsample'),
+    ({'batch_subsample': 0}, 'batch_subsample'),
 ])
 def test_bad_hyperparameters_name_the_problem(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -34,7 +34,7 @@ class NonFiniteError(FloatingPointError):
 BlockOptions = collections.namedtuple(
     'BlockOptions',
     ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher',
-     'spatial_subsample'])
+     'spatial_subsample', 'batch_subsample'])
 
 
 class FisherBlock:

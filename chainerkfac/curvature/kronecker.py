@@ -10,6 +10,12 @@ gradient of a batch-mean loss) for ``T`` positions ``t``::
 
 A Linear layer has ``T = 1``. Subclasses only turn inputs and output
 gradients into columns (one per sample and position).
+
+With ``batch_subsample = k > 1`` both sums run over the first ``m = ⌈n/k⌉``
+samples of the batch only and divide by ``m`` instead of ``n``: the same
+expectations, estimated from fewer samples (the statistics of Ba et al.
+2017 §3 come from a part of the batch too), for about ``1/k`` of the work.
+``ĝ`` keeps the scale of the whole batch's mean loss.
 """
 from chainer import backend
 
@@ -25,6 +31,12 @@ class KroneckerBlock(base.FisherBlock):
     def __init__(self, link, name, options):
         super().__init__(link, name, options)
         self.has_bias = getattr(link, 'b', None) is not None
+        self.batch_subsample = options.batch_subsample
+
+    def _kept(self, batch):
+        """The samples the statistics use: the first ``⌈n/k⌉``."""
+        k = self.batch_subsample
+        return batch if k == 1 else batch[:-(-len(batch) // k)]
 
     def params(self):
         return [self.link.W] + ([self.link.b] if self.has_bias else [])
@@ -41,7 +53,7 @@ class KroneckerBlock(base.FisherBlock):
 
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
-            Q, n = self.input_columns(x)
+            Q, n = self.input_columns(self._kept(x))
             xp = backend.get_array_module(Q)
             # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
             ww = Q @ Q.T
@@ -57,10 +69,12 @@ class KroneckerBlock(base.FisherBlock):
         return True if 'G' in wanted else None
 
     def backward_statistics(self, context, gy, node):
-        Q, n = self.output_columns(gy)
-        T = Q.shape[1] // n
-        # ĝ = n gy per sample; the mean over positions divides by T.
-        self._accumulate('G', (Q @ Q.T) * (n * n / T), n)
+        n = len(gy)
+        Q, m = self.output_columns(self._kept(gy))
+        T = Q.shape[1] // m
+        # ĝ = n gy per sample, n of the whole batch; the mean over positions
+        # divides by T.
+        self._accumulate('G', (Q @ Q.T) * (n * n / T), m)
 
     def compute_inverse(self, damping, reuse):
         A, G = self.factor['A'], self.factor['G']

@@ -176,6 +176,11 @@ class KFAC(optimizer.GradientMethod):
             ``spatial_subsample``-th output row and column only, rescaled to
             all positions (Ba et al. 2017, appendix A); 1 takes every
             position. 2 divides the largest statistics' work by about 4.
+        batch_subsample (int): Linear and Convolution2D factors from the
+            first ``⌈n / batch_subsample⌉`` samples of each (local) batch
+            only; 1 takes every sample. ``k`` divides the statistics' work
+            by about ``k``; BatchNormalization statistics, which cost
+            little, use the whole batch.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -187,7 +192,8 @@ class KFAC(optimizer.GradientMethod):
                  weight_decay=_default_hyperparam.weight_decay,
                  bn_damping_multiplier=(
                      _default_hyperparam.bn_damping_multiplier),
-                 nonfinite='raise', precondition=True, spatial_subsample=1):
+                 nonfinite='raise', precondition=True, spatial_subsample=1,
+                 batch_subsample=1):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -222,6 +228,8 @@ class KFAC(optimizer.GradientMethod):
         self.acc_iters = _positive_int(acc_iters, 'acc_iters')
         self.spatial_subsample = _positive_int(spatial_subsample,
                                                'spatial_subsample')
+        self.batch_subsample = _positive_int(batch_subsample,
+                                             'batch_subsample')
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
@@ -251,7 +259,8 @@ class KFAC(optimizer.GradientMethod):
             factor_intervals=self.factor_interval,
             inverse_interval=self.inverse_interval,
             inverse=self.inverse, bn_fisher=self.bn_fisher,
-            spatial_subsample=self.spatial_subsample)
+            spatial_subsample=self.spatial_subsample,
+            batch_subsample=self.batch_subsample)
         by_link = {}
         self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1)
         for path, child in link.namedlinks(skipself=False):
