@@ -12,6 +12,7 @@ model. ``--skip NAME,...`` keeps a script's previous JSON.
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -250,6 +251,13 @@ def _stale_budget(step_runs):
             if config == 'kfac_1':
                 rows.append(['inverses, every 100th step',
                              refresh['inversion'] / 100])
+    if not floors:
+        return []
+    # Stale steps of these configurations do the same work.
+    same_work = [r['stages_median']['stale']['total']
+                 for name, r in sorted(res.items())
+                 if re.match(r'kfac_(10_100|50_50)(_b?sub\d+)*$', name)
+                 and 'stale' in r['stages_median']]
     table = harness.table(
         [[name, harness.fmt_s(t), '{:.3f}'.format(t / sgd)]
          for name, t in rows],
@@ -262,9 +270,16 @@ def _stale_budget(step_runs):
             table, '',
             'Preconditioning (two dense products per block, every step) '
             'and the factor statistics every 10th step alone come to '
-            '{} SGD: at these intervals, what subsampling leaves of the '
-            'statistics decides how close the step gets to SGD\'s.'.format(
-                ', '.join(floors)), '']
+            '{} SGD ({}): at these intervals, what subsampling leaves of '
+            'the statistics decides how close the step gets to SGD\'s. '
+            'The stale steps of the (10, 100) and (50, 50) configurations '
+            'and their subsampling variants do the same work; their medians '
+            'range from {} to {} ({:.2f}x SGD to {:.2f}x) in this run, '
+            'which is how far the machine\'s noise moves one measured '
+            'ratio.'.format(
+                floors[0], ', '.join(floors[1:]),
+                harness.fmt_s(min(same_work)), harness.fmt_s(max(same_work)),
+                min(same_work) / sgd, max(same_work) / sgd), '']
 
 
 def _flop_section(step_runs):
