@@ -88,9 +88,10 @@ class BlockCost:
         solves do the products' work more slowly, by the ``P / C`` per step
         that puts the rule's break-even where it is).
         """
-        if self.kind != 'kronecker' or refresh_fraction == 0 or \
-                linalg.explicit_inverse_pays(*self.dims, 1 / refresh_fraction):
-            return refresh_fraction * self.inverse_cost + self.precondition_cost
-        return (refresh_fraction * self.inverse_cost / 3
+        f = refresh_fraction
+        if self.kind != 'kronecker' or f == 0 or \
+                linalg.explicit_inverse_pays(*self.dims, 1 / f):
+            return f * self.inverse_cost + self.precondition_cost
+        return (f * self.inverse_cost / 3
                 + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN)
                 * self.precondition_cost)

@@ -28,6 +28,7 @@ would need an extra broadcast of the factors.
 """
 import dataclasses
 import heapq
+import numbers
 
 from chainerkfac.curvature.cost import BlockCost  # NOQA  (public here too)
 
@@ -107,7 +108,7 @@ def _check(blocks, world_size):
 
 
 def _costs(blocks, refresh_fraction):
-    if isinstance(refresh_fraction, (int, float)):
+    if isinstance(refresh_fraction, numbers.Real):
         refresh_fraction = [refresh_fraction] * len(blocks)
     fractions = list(refresh_fraction)
     if len(fractions) != len(blocks):
