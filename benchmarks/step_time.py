@@ -26,9 +26,9 @@ doing the same work, and the table marks it ``*``: a refresh step from
 ``kfac_1`` (statistics, inverses and preconditioning every step; its
 ``_subN`` or ``_bsubN`` variant for such a configuration); a factor step as
 this configuration's stale step plus that ``kfac_1``'s statistics stage.
-(``kfac_1`` keeps Cholesky factors, which are cheaper to form than the explicit inverses
-that long intervals use: on ResNet-50 at 224x224 about 4 s more per
-refresh, 0.04 s a step at an inverse interval of 100.) Long runs
+(``kfac_1`` keeps Cholesky factors, which are cheaper to form than the
+explicit inverses that long intervals use: on ResNet-50 at 224x224 about
+4 s more per refresh, 0.04 s a step at an inverse interval of 100.) Long runs
 (``--steps`` at least the largest interval) need no substitution.
 
 Results go to ``benchmarks/results/step_time.json`` (or ``--out``).
