@@ -371,10 +371,14 @@ def write_doc(full):
         'block (a res5 3x3 convolution, whose 4608 x 4608 A factor is '
         'almost a fifth of all the inversion and preconditioning work) '
         'times the ranks over the total, and the cost model reaches that '
-        'floor from 8 ranks on. Going below it needs one inverse split '
-        'over ranks '
-        '(a distributed Cholesky), which neither the paper nor this '
-        'library does.', '']
+        'floor from 8 ranks on. When inverses are refreshed every step, '
+        'going below it needs one inverse computed by several ranks (a '
+        'distributed Cholesky). At long inverse intervals the '
+        'preconditioning dominates, and it divides by output rows: '
+        'several ranks could each hold a large block\'s inverses and '
+        'precondition a share of its rows, at the price of the block\'s '
+        'statistics reaching every one of them. Neither the paper nor '
+        'this library does either.', '']
     lines += _stale_budget(step_runs)
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
