@@ -354,6 +354,9 @@ def main(argv=None):
                         help='teacher task: training samples')
     parser.add_argument('--target-teacher', type=float, default=None)
     parser.add_argument('--target-digits', type=float, default=None)
+    parser.add_argument('--batches', default=None,
+                        help='comma-separated batch sizes instead of the '
+                        'task\'s small and large batch')
     parser.add_argument('--threads', type=int, default=None)
     parser.add_argument('--out', default='time_to_accuracy.json')
     args = parser.parse_args(argv)
@@ -385,6 +388,8 @@ def main(argv=None):
             task['max_iter'] = task.get('quick_max_iter',
                                         task['max_iter'] // 2)
             task_grid = task.get('quick_lr_grid', grid)
+        if args.batches:
+            task['batches'] = tuple(int(b) for b in args.batches.split(','))
         # --quick: two seeds on digits, one on the (slower) teacher task.
         seeds = args.seeds or (task.get('seeds', 3) if not args.quick else
                                2 if task_name == 'digits' else 1)
@@ -425,8 +430,11 @@ def main(argv=None):
         text = report(task_name, task['target'], task['batches'],
                       optimizers, best)
         print(text, flush=True)
-        png = os.path.join(harness.results_dir(),
-                           'tta_{}.png'.format(task_name))
+        # tta_TASK.png for the default --out, tta_SUFFIX_TASK.png for
+        # time_to_accuracy_SUFFIX.json: no run overwrites another's plot.
+        stem = os.path.splitext(os.path.basename(args.out))[0]
+        png = os.path.join(harness.results_dir(), '{}_{}.png'.format(
+            stem.replace('time_to_accuracy', 'tta', 1), task_name))
         plot(task_name, runs, best, task['target'], png)
         payload['tasks'][task_name] = {
             'argv': sys.argv[1:], 'environment': environment,
