@@ -2,6 +2,7 @@
 
     python resume_run.py START STOP OUT [--resume SNAPSHOT]
     mpiexec -n N python resume_run.py START STOP OUT --distributed [...]
+    ... [--mlp]   (tests.split_model.SplitMLP, its blocks split over ranks)
 
 The model, data and optimizer settings are fixed, so runs that cover the same
 steps must end in the same state. Writes the model and optimizer to OUT.npz;
@@ -17,6 +18,7 @@ import chainer.links as L
 import numpy
 
 from chainerkfac import schedules
+from tests import split_model
 
 
 class CNN(chainer.Chain):
@@ -51,14 +53,17 @@ def main():
     parser.add_argument('--resume')
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--distributed', action='store_true')
+    parser.add_argument('--mlp', action='store_true')
     args = parser.parse_args()
-    model = CNN()
+    numpy.random.seed(0)  # SplitMLP's default initializers draw from it
+    model = split_model.SplitMLP(36) if args.mlp else CNN()
     optimizer = make_optimizer(args.inverse)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')
         rank, size, suffix = comm.rank, comm.size, '.rank{}'.format(comm.rank)
-        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+        optimizer = chainerkfac.create_multi_node_optimizer(
+            optimizer, comm, max_load_imbalance=1.0 if args.mlp else 1.1)
     optimizer.setup(model)
     if args.resume:
         state = numpy.load(args.resume + suffix + '.npz')

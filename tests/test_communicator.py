@@ -91,6 +91,9 @@ def test_world_size_one_is_copies_without_mpi(single):
         # A copy in the input's dtype, untouched by the float16 transport.
         assert out is not x and out.dtype == x.dtype
         numpy.testing.assert_array_equal(out, x)
+    out, counts = single.alltoall_v(x, [5])
+    assert out is not x and counts == [5]
+    numpy.testing.assert_array_equal(out, x)
     assert single.allreduce_mean(x) is x
     assert single.bcast_array(x) is x
     numpy.testing.assert_array_equal(x, numpy.arange(5.0))
@@ -105,7 +108,8 @@ def test_world_size_one_is_copies_without_mpi(single):
     check_same_structure(single, link)
 
     assert single.bytes_moved == {'allreduce': 0, 'reduce_scatter_v': 0,
-                                  'all_gather_v': 0, 'bcast': 0}
+                                  'all_gather_v': 0, 'alltoall_v': 0,
+                                  'bcast': 0}
 
 
 @pytest.mark.parametrize('call, match', [

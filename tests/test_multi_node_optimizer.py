@@ -6,6 +6,7 @@ with batch N b, float64, after steps that mix refresh and stale steps
 weight decay in both forms, and a parameter outside K-FAC. Replicas are
 checked identical on every rank inside the script.
 """
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,31 @@ def test_distributed_equals_single_process(tmp_path, inverse):
                                '{} ranks'.format(n))
 
 
+@pytest.mark.parametrize('n', [3, 4])
+def test_split_blocks_equal_single_process(tmp_path, n):
+    # Every Kronecker block split over ranks (max_load_imbalance=1.0): the
+    # parts of the preconditioned gradient, computed from inverse slices the
+    # owner sends whenever it refreshes them (steps 1, 4, 7), assemble to
+    # what one process computes.
+    expected = single_process(tmp_path, ['--mlp'])
+    out = str(tmp_path / 'split{}.npz'.format(n))
+    result = mpi_helpers.run_mpi(
+        n, SCRIPT, [out, '--mlp', '--max-load-imbalance', '1.0'],
+        timeout=180, check=True)
+    assert_same_parameters(numpy.load(out), expected,
+                           '{} ranks, split blocks'.format(n))
+    line, = [x for x in result.stdout.splitlines() if x.startswith('parts')]
+    parts = json.loads(line.split(' ', 1)[1])
+    # fc1 (A 73 > G 50) by columns, fc2 (G 80 > A 51) by rows; on 3 ranks
+    # in three parts, the owner's (first) smallest as it also inverts.
+    for name, length in (('fc1', 73), ('fc2', 80)):
+        ranks, bounds = parts[name]
+        assert len(ranks) == {3: 3, 4: 2}[n] == len(set(ranks))
+        assert bounds[0][0] == 0 and bounds[-1][1] == length
+        sizes = [stop - start for start, stop in bounds]
+        assert 0 < sizes[0] < min(sizes[1:])
+
+
 @pytest.mark.parametrize('n', [2, 4])
 def test_distributed_batch_norm_equals_accumulated_micro_batches(tmp_path, n):
     # BatchNorm normalises each rank's batch on its own. One process with
@@ -66,3 +92,9 @@ def test_stale_steps_move_only_gradients():
     result = mpi_helpers.run_mpi(2, mpi_helpers.script_path('kfac_bytes.py'),
                                  timeout=120, check=True)
     assert 'bytes ok' in result.stdout
+
+
+def test_split_blocks_move_gradient_copies_and_inverse_slices():
+    result = mpi_helpers.run_mpi(3, mpi_helpers.script_path('kfac_bytes.py'),
+                                 ['--split'], timeout=120, check=True)
+    assert 'split bytes ok' in result.stdout

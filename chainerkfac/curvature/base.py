@@ -66,6 +66,9 @@ class FisherBlock:
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
         self._damping_used = None
+        #: Set by the distributed stages when the block's preconditioning
+        #: is split over ranks, which receive slices of explicit inverses.
+        self.explicit_inverse = False
 
     @classmethod
     def unsupported_reason(cls, link):
@@ -235,6 +238,12 @@ class FisherBlock:
     def set_gradient(self, grad):
         """Writes a gradient in the block's layout back into ``param.grad``."""
         raise NotImplementedError
+
+    def splittable(self):
+        """Whether the preconditioning can be split over ranks by parts of
+        the gradient (see :meth:`KroneckerBlock.inverse_part
+        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`)."""
+        return False
 
     def ready(self):
         """Whether an inverse exists, i.e. the block can precondition."""

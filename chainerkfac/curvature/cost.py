@@ -95,3 +95,36 @@ class BlockCost:
         return (f * self.inverse_cost / 3
                 + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN)
                 * self.precondition_cost)
+
+    def shard_costs(self, refresh_fraction, shards):
+        """How a Kronecker block's work is divided when its preconditioning
+        is split into ``shards`` parts on as many ranks.
+
+        ``V = G⁻¹ ∇W̄ A⁻¹`` splits along its longer side: rows ``I`` of
+        ``V`` are ``G⁻¹[I, :] ∇W̄ A⁻¹`` and columns ``J`` are ``G⁻¹ ∇W̄
+        A⁻¹[:, J]``, so a part of a fraction ``w`` of that side costs ``w P``.
+        The first part's rank, the block's owner, also refreshes the
+        explicit inverses (``f I``) and hands the others their slices, so
+        it takes a smaller share, ``w₀``, chosen to even out the parts::
+
+            f I + w₀ P = (1 - w₀) P / (shards - 1)
+
+        or ``w₀ = 0`` when the inverses alone exceed that.
+
+        Returns:
+            ``(weights, costs)``: the fraction of the longer side and the
+            operations per iteration of each part; one part is the unsplit
+            block, ``((1.0,), (cost(f),))``.
+        """
+        f, k = refresh_fraction, int(shards)
+        if k == 1:
+            return (1.0,), (self.cost(f),)
+        if self.kind != 'kronecker':
+            raise ValueError('block {!r}: only Kronecker blocks can be split '
+                             'over ranks, not {!r} ones'.format(
+                                 self.name, self.kind))
+        inverse, products = f * self.inverse_cost, self.precondition_cost
+        owner = max(0.0, (products - (k - 1) * inverse) / (k * products))
+        other = (1 - owner) / (k - 1)
+        return ((owner,) + (other,) * (k - 1),
+                (inverse + owner * products,) + (other * products,) * (k - 1))

@@ -84,7 +84,8 @@ class KroneckerBlock(base.FisherBlock):
             return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
                     'G_eigvals': w_G, 'G_eigvecs': Q_G}
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
-        if linalg.explicit_inverse_pays(len(A), len(G), reuse):
+        if self.explicit_inverse or \
+                linalg.explicit_inverse_pays(len(A), len(G), reuse):
             return {'A_inv': linalg.damped_inverse(A, damping_A),
                     'G_inv': linalg.damped_inverse(G, damping_G)}
         return {'A_chol': linalg.damped_cholesky(A, damping_A),
@@ -115,6 +116,58 @@ class KroneckerBlock(base.FisherBlock):
             return linalg.cholesky_precondition(grad, s['A_chol'],
                                                 s['G_chol'])
         return linalg.kronecker_precondition(grad, s['A_inv'], s['G_inv'])
+
+    # -- parts of V for a block split over ranks ---------------------------
+
+    def splittable(self):
+        return self.inverse != 'eigen'
+
+    def _split_columns(self):
+        # V is (d_G, d_A): split its longer side.
+        d_A, d_G = self.assignment_cost()[1]
+        return d_A >= d_G
+
+    def split_length(self):
+        """The length of the longer side of ``V = G⁻¹ ∇W̄ A⁻¹``, which
+        :meth:`inverse_part` splits."""
+        return max(self.assignment_cost()[1])
+
+    def part_of(self, matrix, start, stop):
+        """The view of rows or columns ``start:stop`` of a ``(d_G, d_A)``
+        matrix along its longer side."""
+        if self._split_columns():
+            return matrix[:, start:stop]
+        return matrix[start:stop]
+
+    def inverse_part_shapes(self, start, stop):
+        """Shapes of the arrays :meth:`inverse_part` returns."""
+        d_A, d_G = self.assignment_cost()[1]
+        if self._split_columns():
+            return {'A_inv': (d_A, stop - start), 'G_inv': (d_G, d_G)}
+        return {'A_inv': (d_A, d_A), 'G_inv': (stop - start, d_G)}
+
+    def inverse_part(self, start, stop):
+        """The slices of the explicit inverses that rows or columns
+        ``start:stop`` of ``V = G⁻¹ ∇W̄ A⁻¹`` need, along its longer side.
+
+        Columns ``J`` of ``V`` are ``G⁻¹ ∇W̄ A⁻¹[:, J]`` and rows ``I`` are
+        ``G⁻¹[I, :] ∇W̄ A⁻¹``: a part costs its share of the products and
+        needs one inverse whole and a slice of the other, so ranks can share
+        a large block's preconditioning (distributed K-FAC, see
+        :mod:`chainerkfac.distributed.assignment`). Needs the explicit
+        inverses (:attr:`explicit_inverse`).
+        """
+        s = self.inverse_state
+        if self._split_columns():
+            return {'A_inv': s['A_inv'][:, start:stop], 'G_inv': s['G_inv']}
+        return {'A_inv': s['A_inv'], 'G_inv': s['G_inv'][start:stop]}
+
+    @staticmethod
+    def preconditioned_part(grad, inverses):
+        """The part of ``V`` that ``inverses`` (from :meth:`inverse_part`)
+        select, for the whole gradient ``grad``."""
+        return linalg.kronecker_precondition(grad, inverses['A_inv'],
+                                             inverses['G_inv'])
 
     def set_gradient(self, grad):
         W = self.link.W

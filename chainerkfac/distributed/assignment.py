@@ -10,21 +10,29 @@ the smallest BatchNormalization block. The count-based split of the original
 implementation (consecutive equal-count chunks, network order) gives the
 ranks that hold the last stage most of the work: a max/mean load of 3.3 at
 4 ranks and 4.2 at 8, where longest-processing-time-first reaches 1.0 and
-1.47 (1.47 is the floor: the res5 3x3 convolution alone is almost a fifth
-of the total).
+1.47.
+
+Split blocks. With one owner per block the largest block is a floor: the
+res5 3x3 convolution of ResNet-50 is almost a fifth of the total, so 8 ranks
+cannot do better than 1.47 and 64 ranks than 11.7. When the assignment
+allows it (``shardable``), a Kronecker block's preconditioning is split
+over several ranks by rows or columns of ``G⁻¹ ∇W̄ A⁻¹``
+(:meth:`BlockCost.shard_costs`): the owner still refreshes the inverses
+and hands each other rank the slices its part needs; every rank of the
+block receives its whole gradient. Blocks are split only until the load
+imbalance reaches ``max_imbalance``: each split moves a copy of the
+block's gradient more in the reduce-scatter. Inverses cannot be split, so
+the largest inverse stays a floor when they are refreshed often.
 
 Everything here is a pure function of (blocks, costs, world size): every rank
 computes the same :class:`Assignment` without communicating.
 
-Surplus ranks. Every block has exactly one owner, which computes it and
-contributes its result to the all-gather-v; when ranks outnumber blocks, the
-surplus ranks own nothing and idle through stages 4-5 (their all-gather-v
-segment is empty). :attr:`Assignment.load_imbalance` counts them (it is at
-least ``world_size / n_blocks`` then), so the waste is reported, not hidden.
-The paper computes such blocks redundantly on several ranks instead; that
-cannot shorten the iteration, which still waits for the costliest block, and
-a reduce-scatter delivers each segment to a single rank, so redundant owners
-would need an extra broadcast of the factors.
+Surplus ranks. When ranks outnumber the blocks' parts, the surplus ranks own
+nothing and idle through stages 4-5 (their all-gather-v segment is empty).
+:attr:`Assignment.load_imbalance` counts them, so the waste is reported, not
+hidden. The paper computes such blocks redundantly on several ranks instead;
+that cannot shorten the iteration, which still waits for the costliest
+block.
 """
 import dataclasses
 import heapq
@@ -35,18 +43,32 @@ from chainerkfac.curvature.cost import BlockCost  # NOQA  (public here too)
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """Owner of every block and the resulting load of every rank.
+    """Owner and ranks of every block and the resulting load of every rank.
+
+    A block's *parts* are the pieces of its preconditioning; unsplit blocks
+    have one. Part ``s`` of block ``i`` runs on rank ``shards[i][s]``, and
+    ``shards[i][0] == owners[i]``; the parts of a block are on distinct
+    ranks.
 
     Attributes:
         names (tuple of str): Block names, in the order given.
         owners (tuple of int): ``owners[i]`` is the only rank that refreshes
-            and preconditions block ``i``.
+            the factors and inverses of block ``i``.
+        shards (tuple of tuple of int): The ranks of each block's parts.
+        weights (tuple of tuple of float): The fraction of the longer side
+            of ``G⁻¹ ∇W̄ A⁻¹`` each part computes (see
+            :meth:`BlockCost.shard_costs`; the owner may get none).
         loads (tuple of float): Cost assigned to each rank, indexed by rank.
+        work (float): The cost of all blocks on one owner each, unsplit:
+            what :attr:`load_imbalance` divides among the ranks.
     """
 
     names: tuple
     owners: tuple
+    shards: tuple
+    weights: tuple
     loads: tuple
+    work: float
 
     @property
     def world_size(self):
@@ -55,45 +77,77 @@ class Assignment:
 
     @property
     def load_imbalance(self):
-        """Maximum over mean of the per-rank loads (1.0 is perfect balance).
+        """Maximum load over the ideal mean ``work / world_size`` (1.0 is
+        perfect balance).
 
         Idle ranks count in the mean: the model-parallel stage takes as long
-        as the busiest rank, whatever the others do.
+        as the busiest rank, whatever the others do. Work that splitting
+        adds (explicit inverses where Cholesky factors would do) counts
+        against it.
         """
-        total = sum(self.loads)
-        if total == 0:
+        if self.work == 0:
             return 1.0
-        return max(self.loads) * self.world_size / total
+        return max(self.loads) * self.world_size / self.work
 
     @property
     def idle_ranks(self):
-        """Ranks that own no block (surplus ranks when ranks outnumber
-        blocks)."""
-        busy = set(self.owners)
+        """Ranks that hold no part of any block (surplus ranks)."""
+        busy = {rank for ranks in self.shards for rank in ranks}
         return tuple(r for r in range(self.world_size) if r not in busy)
+
+    @property
+    def split_blocks(self):
+        """Indices of the blocks whose preconditioning has several parts."""
+        return tuple(i for i, ranks in enumerate(self.shards)
+                     if len(ranks) > 1)
 
     def blocks_of(self, rank):
         """Indices of the blocks owned by ``rank``, in the order given."""
         return tuple(i for i, owner in enumerate(self.owners) if owner == rank)
 
+    def parts_of(self, rank):
+        """``{block index: part index}`` of the parts ``rank`` computes."""
+        return {i: ranks.index(rank) for i, ranks in enumerate(self.shards)
+                if rank in ranks}
+
     def buffer_order(self):
-        """Block indices grouped by owner, in rank order (in the order given
-        within a rank): the layout of a reduce-scatter-v send buffer and of
-        an all-gather-v result."""
-        return tuple(sorted(range(len(self.owners)),
-                            key=lambda i: (self.owners[i], i)))
+        """The parts ``(block, part)`` grouped by rank, in rank order (in
+        block order within a rank): the layout of a reduce-scatter-v send
+        buffer and of an all-gather-v result."""
+        return tuple(sorted(
+            ((i, s) for i, ranks in enumerate(self.shards)
+             for s in range(len(ranks))),
+            key=lambda item: (self.shards[item[0]][item[1]], item[0])))
 
     def segment_counts(self, sizes):
-        """Per-rank segment sizes for the ``v`` collectives, when block ``i``
-        contributes ``sizes[i]`` elements (laid out by
+        """Per-rank segment sizes for the ``v`` collectives, when part
+        ``(i, s)`` contributes ``sizes[i, s]`` elements (laid out by
         :meth:`buffer_order`)."""
-        if len(sizes) != len(self.owners):
-            raise ValueError('expected {} sizes, one per block, got '
-                             '{}'.format(len(self.owners), len(sizes)))
+        items = self.buffer_order()
+        missing = [item for item in items if item not in sizes]
+        if missing or len(sizes) != len(items):
+            raise ValueError('expected a size for each of the {} parts '
+                             '(block, part), got {} (missing {})'.format(
+                                 len(items), len(sizes), missing[:3]))
         counts = [0] * self.world_size
-        for owner, size in zip(self.owners, sizes):
-            counts[owner] += int(size)
+        for i, s in items:
+            counts[self.shards[i][s]] += int(sizes[i, s])
         return counts
+
+
+    def part_bounds(self, block, length):
+        """``[(start, stop), ...]``: the contiguous range of a side of
+        ``length`` rows or columns that each part of ``block`` computes,
+        in part order, sized by :attr:`weights` (rounded; possibly
+        empty)."""
+        bounds, start, total = [], 0, 0.0
+        for weight in self.weights[block]:
+            total += weight
+            stop = min(int(length), int(round(total * length)))
+            bounds.append((start, stop))
+            start = stop
+        bounds[-1] = (bounds[-1][0], int(length))
+        return bounds
 
 
 def _check(blocks, world_size):
@@ -107,25 +161,67 @@ def _check(blocks, world_size):
     return blocks, int(world_size)
 
 
-def _costs(blocks, refresh_fraction):
+#: Parts costing less than this fraction of the ideal mean load are not
+#: split further: LPT packs them to within a small excess of the mean.
+SPLIT_FLOOR = 0.25
+
+
+def _fractions(blocks, refresh_fraction):
     if isinstance(refresh_fraction, numbers.Real):
         refresh_fraction = [refresh_fraction] * len(blocks)
     fractions = list(refresh_fraction)
     if len(fractions) != len(blocks):
         raise ValueError('expected one refresh_fraction or {}, one per '
                          'block, got {}'.format(len(blocks), len(fractions)))
-    return [b.cost(f) for b, f in zip(blocks, fractions)]
+    return fractions
 
 
-def _assignment(blocks, owners, world_size, costs):
+def _place(blocks, fractions, parts, world_size):
+    """Longest-processing-time-first over the parts of every block.
+
+    Parts are taken in decreasing cost (an owner's part before the others
+    of its block) and each goes to the least-loaded rank that holds no part
+    of the same block; ties go to the earlier block and the lower rank.
+    """
+    items = []
+    for i, (block, f, k) in enumerate(zip(blocks, fractions, parts)):
+        _, costs = block.shard_costs(f, k)
+        items += [(cost, i, s) for s, cost in enumerate(costs)]
+    items.sort(key=lambda item: (-item[0], item[1], item[2]))
+    heap = [(0.0, rank) for rank in range(world_size)]
+    shards = [[None] * k for k in parts]
+    for cost, i, s in items:
+        skipped = []
+        load, rank = heapq.heappop(heap)
+        while rank in shards[i]:
+            skipped.append((load, rank))
+            load, rank = heapq.heappop(heap)
+        shards[i][s] = rank
+        heapq.heappush(heap, (load + cost, rank))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return _assignment(blocks, fractions, shards, parts, world_size)
+
+
+def _assignment(blocks, fractions, shards, parts, world_size):
     loads = [0.0] * world_size
-    for cost, owner in zip(costs, owners):
-        loads[owner] += cost
-    return Assignment(names=tuple(b.name for b in blocks),
-                      owners=tuple(owners), loads=tuple(loads))
+    weights = []
+    for block, f, ranks, k in zip(blocks, fractions, shards, parts):
+        block_weights, costs = block.shard_costs(f, k)
+        weights.append(block_weights)
+        for rank, cost in zip(ranks, costs):
+            loads[rank] += cost
+    return Assignment(
+        names=tuple(b.name for b in blocks),
+        owners=tuple(ranks[0] for ranks in shards),
+        shards=tuple(tuple(ranks) for ranks in shards),
+        weights=tuple(weights),
+        loads=tuple(loads),
+        work=sum(b.cost(f) for b, f in zip(blocks, fractions)))
 
 
-def assign_blocks(blocks, world_size, refresh_fraction=1.0):
+def assign_blocks(blocks, world_size, refresh_fraction=1.0, shardable=False,
+                  max_imbalance=1.1):
     """Assigns blocks to ranks by longest-processing-time-first greedy.
 
     Blocks are taken in decreasing cost and each goes to the least-loaded
@@ -133,6 +229,12 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0):
     (equal costs, equal loads) go to the earlier block and the lower rank, so
     the result depends on nothing but the arguments and every rank computes
     the same one.
+
+    While the load imbalance exceeds ``max_imbalance``, the shardable block
+    with the costliest part that a further split makes cheaper gets one
+    part more (at most one per rank and per row or column of its longer
+    side), and the parts are placed again; the best placement seen is
+    returned.
 
     Args:
         blocks (iterable of BlockCost): The curvature blocks, in a fixed
@@ -145,20 +247,48 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0):
             block's form (:meth:`BlockCost.cost`); an eigendecomposition
             costs several times more per ``d³`` and can be accounted for by
             scaling the fraction up.
+        shardable (bool or sequence of bool): Whether a block's
+            preconditioning may be split over ranks (Kronecker blocks with
+            explicit inverses); one for all blocks or one per block.
+        max_imbalance (float): The load imbalance at which splitting stops.
 
     Returns:
-        Assignment: ``owners`` follows the order of ``blocks``.
+        Assignment: ``owners`` and ``shards`` follow the order of ``blocks``.
     """
     blocks, world_size = _check(blocks, world_size)
-    costs = _costs(blocks, refresh_fraction)
-    order = sorted(range(len(blocks)), key=lambda i: (-costs[i], i))
-    heap = [(0.0, rank) for rank in range(world_size)]
-    owners = [None] * len(blocks)
-    for i in order:
-        load, rank = heapq.heappop(heap)
-        owners[i] = rank
-        heapq.heappush(heap, (load + costs[i], rank))
-    return _assignment(blocks, owners, world_size, costs)
+    fractions = _fractions(blocks, refresh_fraction)
+    if isinstance(shardable, bool):
+        shardable = [shardable] * len(blocks)
+    shardable = [bool(x) and b.kind == 'kronecker'
+                 for x, b in zip(shardable, blocks)]
+    parts = [1] * len(blocks)
+
+    def costliest_part(i, k):
+        return max(blocks[i].shard_costs(fractions[i], k)[1])
+
+    best = _place(blocks, fractions, parts, world_size)
+    while best.load_imbalance > max_imbalance:
+        candidates = [
+            i for i in range(len(blocks))
+            if shardable[i] and parts[i] < min(world_size,
+                                               max(blocks[i].dims))
+            and costliest_part(i, parts[i] + 1) < costliest_part(i, parts[i])]
+        # No placement beats the costliest part that cannot shrink.
+        floor = max([costliest_part(i, parts[i]) for i in range(len(blocks))
+                     if i not in candidates] + [0.0])
+        if not candidates or max(best.loads) <= floor:
+            break
+        split = max(candidates,
+                    key=lambda i: (costliest_part(i, parts[i]), -i))
+        # Parts below SPLIT_FLOOR of the ideal mean pack well enough.
+        if costliest_part(split, parts[split]) <= \
+                SPLIT_FLOOR * best.work / world_size:
+            break
+        parts[split] += 1
+        trial = _place(blocks, fractions, parts, world_size)
+        if max(trial.loads) < max(best.loads):
+            best = trial
+    return best
 
 
 def assign_blocks_by_count(blocks, world_size, refresh_fraction=1.0):
@@ -174,5 +304,6 @@ def assign_blocks_by_count(blocks, world_size, refresh_fraction=1.0):
     owners = []
     for rank in range(world_size):
         owners += [rank] * (base + (1 if rank < extra else 0))
-    return _assignment(blocks, owners, world_size,
-                       _costs(blocks, refresh_fraction))
+    return _assignment(blocks, _fractions(blocks, refresh_fraction),
+                       [[owner] for owner in owners], [1] * len(blocks),
+                       world_size)

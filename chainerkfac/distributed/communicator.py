@@ -11,6 +11,9 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
 * :meth:`~KfacCommunicatorMixin.all_gather_v` (stage 6): every owner's
   preconditioned gradients reach every rank (model parallel -> data
   parallel);
+* :meth:`~KfacCommunicatorMixin.alltoall_v` (between stages 4 and 5):
+  the owner of a block whose preconditioning is split over ranks hands
+  each of them the slices of the inverses its part needs;
 * :meth:`~KfacCommunicatorMixin.allreduce_mean` and
   :meth:`~KfacCommunicatorMixin.bcast_array` for the rest.
 
@@ -35,7 +38,8 @@ import chainer
 #: The keys of :attr:`KfacCommunicatorMixin.bytes_moved`. ``'allreduce'``
 #: counts ``allreduce_mean`` and ``multi_node_mean_grad``; ``'bcast'`` counts
 #: ``bcast_array`` and ``bcast_data``.
-COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'bcast')
+COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
+               'bcast')
 
 # What the max-abs exchange of a scaled half-precision transfer costs.
 _SCALE_EXCHANGE_BYTES = numpy.dtype(numpy.float64).itemsize
@@ -106,7 +110,8 @@ class KfacCommunicatorMixin:
     Mixed in before a ChainerMN communicator class; the subclass calls
     :meth:`_init_kfac` in its constructor and supplies the transport:
     ``_reduce_scatter_v(sendbuf, counts)``, ``_all_gather_v(sendbuf,
-    counts)``, ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
+    counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
+    ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
     (in place), ``_allreduce_max(value)`` (a Python float) and the wire item
     sizes of ``multi_node_mean_grad`` and ``bcast_data``.
 
@@ -188,11 +193,7 @@ class KfacCommunicatorMixin:
         Returns:
             A new 1-D array of ``counts[rank]`` elements.
         """
-        counts = self._check_counts(counts)
-        sendbuf = self._check_flat(sendbuf, 'sendbuf')
-        if sendbuf.size != sum(counts):
-            raise ValueError('sendbuf has {} elements but counts sum to '
-                             '{}'.format(sendbuf.size, sum(counts)))
+        counts, sendbuf = self._check_segments(counts, sendbuf)
         if self.size == 1:
             return sendbuf.copy()
         wire, scale = self._encode(sendbuf, self.size, 'reduce_scatter_v')
@@ -228,6 +229,31 @@ class KfacCommunicatorMixin:
         recvbuf = self._all_gather_v(wire, counts)
         self._count('all_gather_v', recvbuf.nbytes)
         return self._decode(recvbuf, sendbuf.dtype, scale)
+
+    def alltoall_v(self, sendbuf, counts):
+        """Sends every rank its own uneven segment; receives one from each.
+
+        ``sendbuf`` is the concatenation, in rank order, of the segments
+        for each rank (``counts[r]`` elements for rank ``r``; the segment
+        for this rank is kept). Each rank receives the concatenation, in
+        rank order, of the segments the other ranks addressed to it; the
+        receive sizes are exchanged first (a small object collective), so
+        ``counts`` may differ between ranks. One ``MPI_Alltoallv`` (or
+        grouped NCCL sends and receives). Arrays travel in their own dtype:
+        they are inverses, which a narrow transport would spoil.
+
+        Returns:
+            ``(recvbuf, recv_counts)``: a new 1-D array and the number of
+            its elements that came from each rank.
+        """
+        counts, sendbuf = self._check_segments(counts, sendbuf)
+        if self.size == 1:
+            return sendbuf.copy(), counts
+        recv_counts = [int(c) for c in self.mpi_comm.alltoall(counts)]
+        recvbuf = self._alltoall_v(sendbuf, counts, recv_counts)
+        self._count('alltoall_v', sendbuf.itemsize * (
+            sum(counts) - counts[self.rank]))
+        return recvbuf, recv_counts
 
     def allreduce_mean(self, array):
         """Replaces ``array`` by its mean over ranks, in place, and returns
@@ -286,6 +312,15 @@ class KfacCommunicatorMixin:
             raise ValueError('counts must hold {} non-negative sizes, one per '
                              'rank, got {!r}'.format(self.size, counts))
         return counts
+
+    def _check_segments(self, counts, sendbuf):
+        # A send buffer holding one segment per rank.
+        counts = self._check_counts(counts)
+        sendbuf = self._check_flat(sendbuf, 'sendbuf')
+        if sendbuf.size != sum(counts):
+            raise ValueError('sendbuf has {} elements but counts sum to '
+                             '{}'.format(sendbuf.size, sum(counts)))
+        return counts, sendbuf
 
     @staticmethod
     def _check_flat(array, what):

@@ -19,6 +19,7 @@ as their upper triangle (§3.4). Owners come from a cost model
 (:func:`chainerkfac.distributed.assign_blocks`), not from a count.
 """
 import logging
+import numbers
 
 import chainer
 import chainer.links as L
@@ -26,6 +27,7 @@ import chainermn
 import numpy
 from chainer import backend
 
+from chainerkfac import cpu_parallel
 from chainerkfac import linalg
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import communicator as communicator_module
@@ -42,21 +44,50 @@ class HybridParallelStages(kfac.LocalStages):
     """The stages of :class:`~chainerkfac.optimizers.KFAC` under MPI.
 
     Every rank collects statistics for every block; each block is refreshed
-    and preconditioned by its owner only, which alone stores its factors and
-    inverses (so a snapshot holds the state of one rank's blocks: save and
-    resume one snapshot per rank, with the same number of ranks).
+    by its owner only, which alone stores its factors and inverses (so a
+    snapshot holds the state of one rank's blocks: save and resume one
+    snapshot per rank, with the same number of ranks).
+
+    A block is preconditioned by its owner, or, when the assignment splits
+    it (``max_load_imbalance``), by several ranks, each computing rows or
+    columns of ``G⁻¹ ∇W̄ A⁻¹`` with slices of the inverses that the owner
+    sends them whenever it refreshes them (and on the first step of a
+    process, which is what resuming from a snapshot needs).
 
     Optimizer hooks run between stages 3 and 4, on the reduced gradients of
-    the blocks a rank owns: per-parameter hooks (``WeightDecay``, ``Lasso``)
-    act exactly as in one process; a hook that needs every gradient at once
-    (``GradientClipping``) is rejected with an error.
+    the blocks a rank preconditions: per-parameter hooks (``WeightDecay``,
+    ``Lasso``) act exactly as in one process; a hook that needs every
+    gradient at once (``GradientClipping``) is rejected with an error.
+
+    Args:
+        communicator: A communicator from
+            :func:`~chainerkfac.create_communicator`.
+        max_load_imbalance (float or None): Split the preconditioning of
+            large Kronecker blocks over ranks until the model-parallel load
+            imbalance (max/mean, see
+            :func:`~chainerkfac.distributed.assign_blocks`) is at most this;
+            ``None`` gives every block a single rank.
     """
 
-    def __init__(self, communicator):
+    def __init__(self, communicator, max_load_imbalance=1.1):
+        if max_load_imbalance is not None and not (
+                isinstance(max_load_imbalance, numbers.Real)
+                and max_load_imbalance >= 1):
+            raise ValueError('max_load_imbalance must be a number >= 1 or '
+                             'None, got {!r}'.format(max_load_imbalance))
         self.comm = communicator
+        self.max_load_imbalance = max_load_imbalance
         self.assignment = None
         self._needs_broadcast = True
         self._layout = None
+        self._shapes = None
+        # Of split blocks: {block: [(start, stop) per part]}, this rank's
+        # part of each and the inverse slices it received.
+        self._bounds = {}
+        self._parts = {}
+        self._part_inverses = {}
+        self._part_results = {}
+        self._send_all_inverses = True
 
     # -- set-up -----------------------------------------------------------
 
@@ -91,16 +122,27 @@ class HybridParallelStages(kfac.LocalStages):
         # Only owners keep a block's factors, so the placement must come out
         # the same when a run resumes: it follows the intervals of a fresh
         # run's first iteration, which the options alone decide.
+        blocks = optimizer.blocks
+        split = self.max_load_imbalance is not None
         self.assignment = assignment_module.assign_blocks(
             [assignment_module.BlockCost(b.name, *b.assignment_cost())
-             for b in optimizer.blocks], self.comm.size,
-            [1 / b.inverse_reuse() for b in optimizer.blocks])
+             for b in blocks], self.comm.size,
+            [1 / b.inverse_reuse() for b in blocks],
+            shardable=[split and b.splittable() for b in blocks],
+            max_imbalance=self.max_load_imbalance or 1.0)
+        for i in self.assignment.split_blocks:
+            blocks[i].explicit_inverse = True
+            self._bounds[i] = self.assignment.part_bounds(
+                i, blocks[i].split_length())
+        self._parts = self.assignment.parts_of(self.comm.rank)
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
-                        '%.2f, idle ranks %s', self.comm.size,
+                        '%.2f, idle ranks %s, split blocks %s', self.comm.size,
                         self.assignment.load_imbalance,
-                        list(self.assignment.idle_ranks))
-        covered = {id(p) for b in optimizer.blocks for p in b.params()}
+                        list(self.assignment.idle_ranks),
+                        {blocks[i].name: len(self.assignment.shards[i])
+                         for i in self.assignment.split_blocks})
+        covered = {id(p) for b in blocks for p in b.params()}
         self._other_params = [p for p in optimizer.target.params()
                               if id(p) not in covered]
         self._running_statistics = [
@@ -108,25 +150,40 @@ class HybridParallelStages(kfac.LocalStages):
             if isinstance(link, L.BatchNormalization)
             and link.avg_mean is not None]
 
+    def _part_size(self, i, s):
+        """Elements of part ``s`` of block ``i``'s preconditioned
+        gradient."""
+        size = int(numpy.prod(self._shapes[i]))
+        if i not in self._bounds:
+            return size
+        start, stop = self._bounds[i][s]
+        return size // max(self._shapes[i]) * (stop - start)
+
     def reduce(self, optimizer):
         if self.assignment is None:
             self._assign(optimizer)
         blocks = optimizer.blocks
-        # layout[i]: (key, shape, size) of what block i sends, gradient first.
+        grads = [block.gradient() for block in blocks]
+        self._shapes = [grad.shape for grad in grads]
+        # layout[i, s]: (key, shape, size) of what part s of block i
+        # receives: the gradient, when the part has rows or columns to
+        # compute; the owner's part also gets the statistics.
         parts, layout = [], {}
-        for i in self.assignment.buffer_order():
+        for i, s in self.assignment.buffer_order():
             block = blocks[i]
-            grad = block.gradient()
-            stats = block.take_statistics(block.params()[0]._loss_scale)
-            entries = [('grad', grad.shape, grad.ravel())]
-            entries += [(f, stats[f].shape, _pack(stats[f]))
-                        for f in block.factors if f in stats]
-            layout[i] = [(key, shape, flat.size)
-                         for key, shape, flat in entries]
+            entries = []
+            if self._part_size(i, s):
+                entries.append(('grad', grads[i].shape, grads[i].ravel()))
+            if s == 0:
+                stats = block.take_statistics(block.params()[0]._loss_scale)
+                entries += [(f, stats[f].shape, _pack(stats[f]))
+                            for f in block.factors if f in stats]
+            layout[i, s] = [(key, shape, flat.size)
+                            for key, shape, flat in entries]
             parts += [flat for _, _, flat in entries]
-        sizes = [sum(size for _, _, size in layout[i])
-                 for i in range(len(blocks))]
-        xp = backend.get_array_module(parts[0])
+        sizes = {item: sum(size for _, _, size in entries)
+                 for item, entries in layout.items()}
+        xp = backend.get_array_module(grads[0])
         counts = self.assignment.segment_counts(sizes)
         mine = self.comm.reduce_scatter_v(xp.concatenate(parts), counts)
         mine /= self.comm.size
@@ -135,10 +192,10 @@ class HybridParallelStages(kfac.LocalStages):
 
         stats_of_owned = {}
         offset = 0
-        for i in self.assignment.blocks_of(self.comm.rank):
+        for i, s in sorted(self._parts.items()):
             block = blocks[i]
             stats = {}
-            for key, shape, size in layout[i]:
+            for key, shape, size in layout[i, s]:
                 flat = mine[offset:offset + size]
                 offset += size
                 if key == 'grad':
@@ -182,60 +239,163 @@ class HybridParallelStages(kfac.LocalStages):
         mine = set(self.assignment.blocks_of(self.comm.rank))
         return [b for i, b in enumerate(blocks) if i in mine]
 
+    def _inverse_deliveries(self, rank):
+        """``(block, part)`` of the non-empty parts of split blocks that
+        ``rank`` computes for another owner, in block order."""
+        return [(i, s) for i in self.assignment.split_blocks
+                for s, holder in enumerate(self.assignment.shards[i])
+                if s > 0 and holder == rank
+                and self._bounds[i][s][0] < self._bounds[i][s][1]]
+
+    def share_inverses(self, optimizer, refreshed):
+        """Owners of split blocks send each other rank of the block the
+        inverse slices of its part (:meth:`KroneckerBlock.inverse_part
+        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`),
+        one flag per part saying whether new slices follow."""
+        if not self.assignment.split_blocks:
+            return
+        blocks = optimizer.blocks
+        fresh = {id(block) for block in refreshed}
+        rank, owners = self.comm.rank, self.assignment.owners
+        xp = backend.get_array_module(blocks[0].params()[0].array)
+        dtype = blocks[0].params()[0].dtype
+        parts, counts = [], [0] * self.comm.size
+        for dest in range(self.comm.size):
+            for i, s in self._inverse_deliveries(dest):
+                if owners[i] != rank:
+                    continue
+                block = blocks[i]
+                send = block.ready() and (
+                    self._send_all_inverses or id(block) in fresh)
+                parts.append(xp.asarray([float(send)], dtype=dtype))
+                counts[dest] += 1
+                if send:
+                    inverses = block.inverse_part(*self._bounds[i][s])
+                    parts += [inverses[k].ravel() for k in sorted(inverses)]
+                    counts[dest] += sum(a.size for a in inverses.values())
+        send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
+        received, _ = self.comm.alltoall_v(send_buffer, counts)
+        self._send_all_inverses = False
+        offset = 0
+        for source in range(self.comm.size):
+            for i, s in self._inverse_deliveries(rank):
+                if owners[i] != source:
+                    continue
+                offset += 1
+                if not received[offset - 1]:
+                    continue
+                shapes = blocks[i].inverse_part_shapes(*self._bounds[i][s])
+                inverses = {}
+                for key in sorted(shapes):
+                    size = int(numpy.prod(shapes[key]))
+                    inverses[key] = received[offset:offset + size].reshape(
+                        shapes[key])
+                    offset += size
+                self._part_inverses[i] = inverses
+
+    def precondition(self, optimizer, weight_decay):
+        blocks = optimizer.blocks
+        mine = sorted(self._parts)
+        index = {id(block): i for i, block in enumerate(blocks)}
+
+        def compute(block):
+            i = index[id(block)]
+            if i not in self._bounds:
+                block.precondition(weight_decay)
+                return None
+            start, stop = self._bounds[i][self._parts[i]]
+            if self._parts[i] == 0:
+                inverses = (block.inverse_part(start, stop)
+                            if block.ready() else None)
+            else:
+                inverses = self._part_inverses.get(i)
+            if inverses is None:
+                # As an unsplit block before its first inverse: the raw
+                # gradient, without the weight-decay term.
+                return block.part_of(block.gradient(), start, stop)
+            return block.preconditioned_part(block.gradient(weight_decay),
+                                             inverses)
+
+        def flops(block):
+            i = index[id(block)]
+            weight = self.assignment.weights[i][self._parts[i]]
+            return weight * block.cost().precondition_cost
+
+        results = cpu_parallel.map_blocks(
+            compute, [blocks[i] for i in mine], flops)
+        self._part_results = {i: r for i, r in zip(mine, results)
+                              if r is not None}
+
     def gather(self, optimizer, rates):
         blocks = optimizer.blocks
-        refreshed = {i: [key for key, _, _ in self._layout[i] if key != 'grad']
-                     for i in range(len(blocks))}
-        # Per block: its gradient, then one change rate per refreshed factor.
-        sizes = [self._layout[i][0][2] + len(refreshed[i])
-                 for i in range(len(blocks))]
+        refreshed = {i: [key for key, _, _ in self._layout[i, 0]
+                         if key != 'grad'] for i in range(len(blocks))}
+        # Per part: its piece of the preconditioned gradient, then the
+        # owner's one change rate per refreshed factor.
+        items = self.assignment.buffer_order()
+        sizes = {(i, s): self._part_size(i, s)
+                 + (len(refreshed[i]) if s == 0 else 0) for i, s in items}
         parts = []
-        for i in self.assignment.blocks_of(self.comm.rank):
+        for i, s in sorted(self._parts.items()):
             block = blocks[i]
-            grad = block.gradient()
-            xp = backend.get_array_module(grad)
-            block_rates = rates.get(block, {})
-            measured = [block_rates.get(f) for f in refreshed[i]]
-            parts.append(grad.ravel())
-            parts.append(xp.asarray(
-                [numpy.nan if r is None else r for r in measured],
-                dtype=grad.dtype))
+            if i in self._bounds:
+                piece = self._part_results.get(i)
+            else:
+                piece = block.gradient()
+            if piece is not None:
+                parts.append(piece.ravel())
+            if s == 0:
+                block_rates = rates.get(block, {})
+                measured = [block_rates.get(f) for f in refreshed[i]]
+                parts.append(numpy.asarray(
+                    [numpy.nan if r is None else r for r in measured]))
         grad0 = blocks[0].params()[0].grad
         xp = backend.get_array_module(grad0)
+        parts = [xp.asarray(p, dtype=grad0.dtype) for p in parts]
         send = xp.concatenate(parts) if parts else xp.empty(0, grad0.dtype)
         everything = self.comm.all_gather_v(
             send, self.assignment.segment_counts(sizes))
         chainer.report({'kfac/bytes/' + name: value for name, value
                         in self.comm.reset_bytes_moved().items()})
-        mine = set(self.assignment.blocks_of(self.comm.rank))
         step = optimizer.t
+        assembled = {i: xp.empty(self._shapes[i], dtype=grad0.dtype)
+                     for i in self._bounds}
         offset = 0
-        for i in self.assignment.buffer_order():
-            shape = self._layout[i][0][1]
-            n_grad = self._layout[i][0][2]
-            grad = everything[offset:offset + n_grad]
+        for i, s in items:
+            n_grad = self._part_size(i, s)
+            piece = everything[offset:offset + n_grad]
             offset += n_grad
+            if i in assembled:
+                target = blocks[i].part_of(assembled[i], *self._bounds[i][s])
+                target[...] = piece.reshape(target.shape)
+            elif self.assignment.owners[i] != self.comm.rank:
+                blocks[i].set_gradient(piece.reshape(self._shapes[i]))
+            if s > 0:
+                continue
             measured = everything[offset:offset + len(refreshed[i])]
             offset += len(refreshed[i])
-            if i in mine:
-                continue
-            blocks[i].set_gradient(grad.reshape(shape))
-            for f, r in zip(refreshed[i], measured.tolist()):
-                blocks[i].schedules[f].mark(
-                    step, None if numpy.isnan(r) else r)
+            if self.assignment.owners[i] != self.comm.rank:
+                for f, r in zip(refreshed[i], measured.tolist()):
+                    blocks[i].schedules[f].mark(
+                        step, None if numpy.isnan(r) else r)
+        for i, grad in assembled.items():
+            blocks[i].set_gradient(grad)
 
 
-def create_multi_node_optimizer(actual_optimizer, communicator):
+def create_multi_node_optimizer(actual_optimizer, communicator,
+                                max_load_imbalance=1.1):
     """Makes an optimizer distributed, as ChainerMN's function of that name.
 
     For :class:`~chainerkfac.optimizers.KFAC` the optimizer itself is
     returned, now running the hybrid-parallel stages of
-    :class:`HybridParallelStages` over ``communicator``; other optimizers are
-    wrapped by :func:`chainermn.create_multi_node_optimizer` (data-parallel
-    gradient averaging).
+    :class:`HybridParallelStages` over ``communicator`` (with
+    ``max_load_imbalance``, see there); other optimizers are wrapped by
+    :func:`chainermn.create_multi_node_optimizer` (data-parallel gradient
+    averaging).
     """
     if isinstance(actual_optimizer, kfac.KFAC):
-        actual_optimizer.use_stages(HybridParallelStages(communicator))
+        actual_optimizer.use_stages(HybridParallelStages(
+            communicator, max_load_imbalance))
         return actual_optimizer
     return chainermn.create_multi_node_optimizer(actual_optimizer,
                                                  communicator)

@@ -42,6 +42,13 @@ class NaiveCommunicator(KfacCommunicatorMixin,
         self.mpi_comm.Allgatherv(sendbuf, [recvbuf, counts])
         return recvbuf
 
+    def _alltoall_v(self, sendbuf, counts, recv_counts):
+        xp = chainer.backend.get_array_module(sendbuf)
+        recvbuf = xp.empty(sum(recv_counts), dtype=sendbuf.dtype)
+        _wait_for_device(xp)
+        self.mpi_comm.Alltoallv([sendbuf, counts], [recvbuf, recv_counts])
+        return recvbuf
+
     def _allreduce_sum(self, array):
         _wait_for_device(chainer.backend.get_array_module(array))
         self.mpi_comm.Allreduce(mpi4py.MPI.IN_PLACE, array,

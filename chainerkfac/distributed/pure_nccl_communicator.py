@@ -1,10 +1,11 @@
 """K-FAC collectives over NCCL (CuPy arrays), MPI only to set up.
 
 NCCL has no ``v`` (uneven) collectives: the reduce-scatter-v is one NCCL
-reduce per owner and the all-gather-v one broadcast per rank, each grouped
-into a single NCCL launch, so every element still travels once, as in
-``MPI_Reduce_scatter`` / ``MPI_Allgatherv``. Importing this module needs
-CuPy with NCCL. See :mod:`chainerkfac.distributed.communicator`.
+reduce per owner, the all-gather-v one broadcast per rank and the
+all-to-all-v one send and one receive per peer (NCCL 2.7 or later), each
+grouped into a single NCCL launch, so every element still travels once, as
+in ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` / ``MPI_Alltoallv``.
+Importing this module needs CuPy with NCCL. See :mod:`chainerkfac.distributed.communicator`.
 """
 import cupy
 from cupy.cuda import nccl
@@ -67,6 +68,29 @@ class PureNcclCommunicator(KfacCommunicatorMixin,
                     self.nccl_comm.broadcast(
                         source.data.ptr, segment.data.ptr, segment.size,
                         type_id, root, stream)
+        finally:
+            nccl.groupEnd()
+        return recvbuf
+
+    def _alltoall_v(self, sendbuf, counts, recv_counts):
+        self._init_comms()
+        recvbuf = cupy.empty(sum(recv_counts), dtype=sendbuf.dtype)
+        type_id = _communication_utility._get_nccl_type_id(sendbuf.dtype)
+        stream = chainer.cuda.Stream.null.ptr
+        sends = dict(_segments(sendbuf, counts))
+        nccl.groupStart()
+        try:
+            for peer, segment in _segments(recvbuf, recv_counts):
+                if peer == self.rank:
+                    segment[...] = sends[peer]
+                    continue
+                if sends[peer].size:
+                    self.nccl_comm.send(sends[peer].data.ptr,
+                                        sends[peer].size, type_id, peer,
+                                        stream)
+                if segment.size:
+                    self.nccl_comm.recv(segment.data.ptr, segment.size,
+                                        type_id, peer, stream)
         finally:
             nccl.groupEnd()
         return recvbuf

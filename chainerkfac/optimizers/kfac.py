@@ -83,6 +83,18 @@ class LocalStages:
         """The blocks this process refreshes and preconditions."""
         return blocks
 
+    def share_inverses(self, optimizer, refreshed):
+        """Called after the due inverses were refreshed (``refreshed`` are
+        the blocks whose inverse this process recomputed), before
+        preconditioning."""
+
+    def precondition(self, optimizer, weight_decay):
+        """Replaces the gradients of the blocks this process preconditions
+        by ``F̂⁻¹ ∇``."""
+        cpu_parallel.map_blocks(
+            lambda block: block.precondition(weight_decay),
+            self.owned(optimizer.blocks), _work('precondition_cost'))
+
     def gather(self, optimizer, rates):
         """Shares preconditioned gradients; ``rates`` are the change rates
         of the factors this process refreshed, ``{block: {factor: rate}}``."""
@@ -419,19 +431,18 @@ class KFAC(optimizer.GradientMethod):
 
         due = [block for block in owned
                if block.inverse_due(step, block.effective_damping(hp))]
-        inverse_refreshes = sum(cpu_parallel.map_blocks(
+        refreshed = [block for block, done in zip(due, cpu_parallel.map_blocks(
             lambda block: block.update_inverse(
                 step, block.effective_damping(hp)),
-            due, _work('inverse_cost')))
-        cpu_parallel.map_blocks(
-            lambda block: block.precondition(hp.weight_decay),
-            owned, _work('precondition_cost'))
+            due, _work('inverse_cost'))) if done]
+        self._stages.share_inverses(self, refreshed)
+        self._stages.precondition(self, hp.weight_decay)
         self._stages.gather(self, rates)
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
         report = {'kfac/damping': hp.damping,
                   'kfac/factor_refreshes': sum(map(len, rates.values())),
-                  'kfac/inverse_refreshes': inverse_refreshes,
+                  'kfac/inverse_refreshes': len(refreshed),
                   'kfac/skipped_steps': 0}
         if measured:
             report['kfac/change_rate'] = sum(measured) / len(measured)

@@ -70,7 +70,31 @@ def check_v_collectives(comm, counts):
 
     assert comm.reset_bytes_moved() == {
         'reduce_scatter_v': total * FLOAT64, 'all_gather_v': total * FLOAT64,
-        'allreduce': 0, 'bcast': 0}
+        'alltoall_v': 0, 'allreduce': 0, 'bcast': 0}
+
+
+def check_alltoall_v(comm):
+    # Rank r sends rank d (d + 2 r) % 3 elements, none to some ranks and,
+    # on rank 0, something to itself; every rank can compute every segment.
+    rank, size = comm.rank, comm.size
+
+    def segment(source, dest):
+        return data(1000 * source + dest, (dest + 2 * source) % 3)
+
+    counts = [(d + 2 * rank) % 3 for d in range(size)]
+    sendbuf = xp.asarray(numpy.concatenate(
+        [segment(rank, d) for d in range(size)]))
+    comm.reset_bytes_moved()
+    out, recv_counts = comm.alltoall_v(sendbuf, counts)
+    assert recv_counts == [(rank + 2 * s) % 3 for s in range(size)]
+    assert out.dtype == numpy.float64
+    assert_array_equal(to_cpu(out), numpy.concatenate(
+        [segment(s, rank) for s in range(size)]))
+    # Only what leaves the rank is counted.
+    assert comm.reset_bytes_moved() == {
+        'alltoall_v': (sum(counts) - counts[rank]) * FLOAT64,
+        'reduce_scatter_v': 0, 'all_gather_v': 0, 'allreduce': 0,
+        'bcast': 0}
 
 
 def check_half_precision(comm, counts):
@@ -99,7 +123,7 @@ def check_half_precision(comm, counts):
         # Two bytes an element, plus the exchange of the largest value.
         assert comm.reset_bytes_moved() == {
             'reduce_scatter_v': 2 * total + 8, 'all_gather_v': 2 * total + 8,
-            'allreduce': 0, 'bcast': 0}
+            'alltoall_v': 0, 'allreduce': 0, 'bcast': 0}
 
 
 def check_dense_collectives(comm):
@@ -117,7 +141,7 @@ def check_dense_collectives(comm):
 
     assert comm.reset_bytes_moved() == {
         'allreduce': 6 * FLOAT64, 'bcast': 5 * FLOAT64,
-        'reduce_scatter_v': 0, 'all_gather_v': 0}
+        'reduce_scatter_v': 0, 'all_gather_v': 0, 'alltoall_v': 0}
 
 
 def check_model_collectives(comm):
@@ -143,7 +167,7 @@ def check_model_collectives(comm):
 
     assert comm.reset_bytes_moved() == {
         'bcast': 4 * n_params, 'allreduce': 4 * n_params,
-        'reduce_scatter_v': 0, 'all_gather_v': 0}
+        'reduce_scatter_v': 0, 'all_gather_v': 0, 'alltoall_v': 0}
 
 
 def main():
@@ -156,6 +180,7 @@ def main():
     for counts in COUNTS[comm.size]:
         check_v_collectives(comm, counts)
         check_half_precision(half, counts)
+    check_alltoall_v(comm)
     check_dense_collectives(comm)
     check_model_collectives(comm)
     print('rank {}: ok'.format(comm.rank), flush=True)

@@ -1,18 +1,27 @@
 """Counts the bytes of every collective on refresh and stale K-FAC steps.
 
     mpiexec -n N python kfac_bytes.py
+    mpiexec -n 3 python kfac_bytes.py --split
 
 A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks, and the
 allreduce carries the other gradients and the BatchNorm running statistics.
 A refresh step adds the upper triangles of the refreshed factors. Replicas,
-running statistics included, stay identical. Exits non-zero on a mismatch.
+running statistics included, stay identical. With ``--split`` every block
+of :class:`tests.split_model.SplitMLP` is split over the ranks: each part
+with rows or columns to compute receives the block's gradient, and the
+owner sends each other part one flag every step and, when it refreshed the
+inverses, their slices. Exits non-zero on a mismatch.
 """
+import sys
+
 import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
 import chainer
 import chainer.functions as F
 import chainer.links as L
 import numpy
+
+from tests import split_model
 
 
 class CNN(chainer.Chain):
@@ -80,5 +89,55 @@ def main():
         print('bytes ok')
 
 
+def main_split():
+    comm = chainerkfac.create_communicator('naive')
+    numpy.random.seed(0)
+    model = split_model.SplitMLP(36)
+    optimizer = chainerkfac.create_multi_node_optimizer(
+        chainerkfac.optimizers.KFAC(factor_interval=3, inverse_interval=3),
+        comm, max_load_imbalance=1.0)
+    optimizer.setup(model)
+    itemsize = 4
+    reporter = chainer.Reporter()
+    rng = numpy.random.RandomState(comm.rank)
+    for step in range(1, 5):
+        observation = {}
+        with reporter.scope(observation):
+            optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                             rng.randn(6, 36).astype('f'),
+                             rng.randint(0, 3, 6).astype('i'))
+        stages = optimizer._stages
+        assignment = stages.assignment
+        assert len(assignment.split_blocks) >= 2, assignment
+        refresh = step in (1, 4)
+        scattered = gathered = sent = 0
+        for i, block in enumerate(optimizer.blocks):
+            grad = block.gradient().size
+            d_a, d_g = block.assignment_cost()[1]
+            bounds = stages._bounds.get(i, [(0, 1)])
+            scattered += grad * sum(stop > start for start, stop in bounds)
+            gathered += grad
+            if refresh:
+                scattered += d_a * (d_a + 1) // 2 + d_g * (d_g + 1) // 2
+                gathered += 2
+            if assignment.owners[i] != comm.rank:
+                continue
+            for start, stop in bounds[1:]:
+                if stop > start:
+                    shapes = block.inverse_part_shapes(start, stop)
+                    sent += 1 + refresh * sum(
+                        int(numpy.prod(shape)) for shape in shapes.values())
+        expected = {
+            'kfac/bytes/reduce_scatter_v': scattered * itemsize,
+            'kfac/bytes/all_gather_v': gathered * itemsize,
+            'kfac/bytes/alltoall_v': sent * itemsize,
+        }
+        for key, value in expected.items():
+            assert observation[key] == value, (step, key, observation[key],
+                                               value)
+    if comm.rank == 0:
+        print('split bytes ok')
+
+
 if __name__ == '__main__':
-    main()
+    main_split() if '--split' in sys.argv else main()

@@ -2,15 +2,20 @@
 
     mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
     python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
+    ... [--mlp] [--max-load-imbalance X]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
 With ``--batch-norm`` the CNN normalises each rank's batch on its own; one
 process reproduces that with ``--acc-iters N``, which runs the N shards as
 micro-batches. Rank 0 writes the parameters; every rank checks that its
-replica is identical to rank 0's.
+replica is identical to rank 0's. ``--mlp`` trains
+:class:`tests.split_model.SplitMLP` instead, whose blocks the distributed
+runs split over ranks; rank 0 then prints the parts of every block as
+JSON (``parts: {...}``).
 """
 import argparse
+import json
 
 import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
 import chainer
@@ -19,8 +24,9 @@ import chainer.links as L
 import numpy
 
 from chainerkfac import schedules
+from tests import split_model
 
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 24  # divisible by 2, 3 and 4 ranks
 STEPS = 7
 
 
@@ -44,6 +50,15 @@ class CNN(chainer.Chain):
         return F.softmax_cross_entropy(h, t)
 
 
+class MLP(split_model.SplitMLP):
+    def __init__(self):
+        with chainer.using_config('dtype', numpy.float64):
+            super().__init__(2 * 6 * 6)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(super().forward(x), t)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('out')
@@ -51,9 +66,11 @@ def main():
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--acc-iters', type=int, default=1)
     parser.add_argument('--batch-norm', action='store_true')
+    parser.add_argument('--mlp', action='store_true')
+    parser.add_argument('--max-load-imbalance', type=float, default=1.1)
     args = parser.parse_args()
     numpy.random.seed(0)
-    model = CNN(args.batch_norm)
+    model = MLP() if args.mlp else CNN(args.batch_norm)
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
@@ -67,7 +84,8 @@ def main():
         if rank:
             for p in model.params():
                 p.array[...] = 7.0
-        optimizer = chainerkfac.create_multi_node_optimizer(optimizer, comm)
+        optimizer = chainerkfac.create_multi_node_optimizer(
+            optimizer, comm, max_load_imbalance=args.max_load_imbalance)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
@@ -88,6 +106,12 @@ def main():
                 'rank {} replica differs in {}'.format(rank, name)
     if rank == 0:
         numpy.savez(args.out, **params)
+        if not args.single:
+            stages = optimizer._stages
+            print('parts: ' + json.dumps({
+                block.name: [stages.assignment.shards[i],
+                             stages._bounds.get(i)]
+                for i, block in enumerate(optimizer.blocks)}), flush=True)
 
 
 if __name__ == '__main__':
