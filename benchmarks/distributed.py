@@ -19,6 +19,14 @@ and preconditioning times should fall as 1/P (model parallelism).
 The machine has 2 cores: with 4 ranks they are oversubscribed, so only the
 bytes, and the per-rank *work* split, are meaningful there, not the wall
 time.
+
+Split blocks: ``--split-model`` (default ``wide_mlp``, whose first layer
+holds almost all the curvature work) then runs under ``mpiexec -n 2``
+twice, with every block on one rank (``max_load_imbalance=None``) and with
+the default splitting, one after the other; the per-rank inversion and
+preconditioning times show whether sharing one block's preconditioning
+evens out the ranks. The load-imbalance table gives, per refresh fraction,
+the cost model's imbalance with one owner per block and with split blocks.
 """
 import argparse
 import json
@@ -56,7 +64,9 @@ def worker(args):
     opt = chainerkfac.optimizers.KFAC(
         lr=1e-3, momentum=0.9, damping=1e-3,
         factor_interval=args.interval, inverse_interval=args.interval)
-    opt = chainerkfac.create_multi_node_optimizer(opt, comm)
+    opt = chainerkfac.create_multi_node_optimizer(
+        opt, comm, max_load_imbalance=_imbalance_option(
+            args.max_load_imbalance))
     opt.setup(model)
     records = []
     for i in range(args.warmup + args.steps):
@@ -95,9 +105,16 @@ def worker(args):
         with open(args.worker_out, 'w') as f:
             json.dump({'size': comm.size, 'ranks': everyone,
                        'load_imbalance': assignment.load_imbalance,
+                       'split_blocks': {
+                           opt.blocks[i].name: len(assignment.shards[i])
+                           for i in assignment.split_blocks},
                        'n_blocks': len(opt.blocks),
                        'n_params': int(sum(p.size for p in model.params())),
                        'batch_per_rank': batch}, f)
+
+
+def _imbalance_option(text):
+    return None if text == 'none' else float(text)
 
 
 def summarise_mpi(result):
@@ -137,18 +154,20 @@ def summarise_mpi(result):
     return out
 
 
-def run_mpi(args):
+def run_mpi(args, runs):
+    """Runs the worker for each ``(key, ranks, model, max_load_imbalance)``
+    of ``runs``; returns ``{key: result}``."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
     results = {}
-    for size in [int(v) for v in args.ranks.split(',')]:
+    for key, size, model, max_imbalance in runs:
         out = os.path.join(harness.results_dir(),
                            '.distributed_{}.json'.format(size))
         cmd = [mpiexec, '-n', str(size), sys.executable,
                os.path.abspath(__file__), '--worker', '--worker-out', out,
-               '--model', args.model, '--steps', str(args.steps),
+               '--model', model, '--steps', str(args.steps),
                '--warmup', str(args.warmup), '--interval',
-               str(args.interval)]
-        if args.batch:
+               str(args.interval), '--max-load-imbalance', max_imbalance]
+        if args.batch and model == args.model:
             cmd += ['--batch', str(args.batch)]
         env = dict(os.environ)
         env['PYTHONPATH'] = os.pathsep.join(
@@ -166,13 +185,14 @@ def run_mpi(args):
         with open(out) as f:
             raw = json.load(f)
         os.remove(out)
-        results[size] = {'summary': summarise_mpi(raw),
+        results[key] = {'summary': summarise_mpi(raw),
                          'load_imbalance': raw['load_imbalance'],
+                         'split_blocks': raw['split_blocks'],
                          'n_blocks': raw['n_blocks'],
                          'n_params': raw['n_params'],
                          'batch_per_rank': raw['batch_per_rank'],
                          'raw': raw['ranks']}
-        print('  {} ranks: {:.0f} s'.format(size, time.time() - t0),
+        print('  {}: {:.0f} s'.format(key, time.time() - t0),
               flush=True)
     return results
 
@@ -194,7 +214,8 @@ def mpi_tables(results):
     lines += ['', 'Bytes per step handed to MPI by one rank (mean over '
               'ranks), K-FAC state per rank, owned blocks:', '']
     rows = []
-    collectives = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'bcast')
+    collectives = ('allreduce', 'reduce_scatter_v', 'all_gather_v',
+                   'alltoall_v', 'bcast')
     for size, res in results.items():
         for kind in ('refresh', 'stale'):
             s = res['summary'].get(kind)
@@ -211,6 +232,27 @@ def mpi_tables(results):
                                + ['total', 'K-FAC state (max rank)',
                                   'blocks per rank', 'cost imbalance']))
     return '\n'.join(lines)
+
+
+def split_table(results):
+    """One owner per block against split blocks, same model and ranks."""
+    rows = []
+    for key, res in results.items():
+        refresh, stale = res['summary']['refresh'], res['summary']['stale']
+        rows.append([key, ', '.join('{} in {}'.format(n, k) for n, k in
+                                    res['split_blocks'].items()) or '-',
+                     '{:.2f}'.format(res['load_imbalance'])] + [
+            '{:.4f} / {:.4f}'.format(s[stage]['max'], s[stage]['mean'])
+            for s, stage in ((refresh, 'inversion'),
+                             (refresh, 'precondition'),
+                             (stale, 'precondition'), (stale, 'total'))] + [
+            harness.fmt_bytes(sum(stale['bytes_per_rank'].values())),
+            harness.fmt_bytes(sum(refresh['bytes_per_rank'].values()))])
+    return harness.table(rows, [
+        'run', 'split blocks (parts)', 'cost imbalance',
+        'refresh inversion (max / mean over ranks, s)',
+        'refresh precondition', 'stale precondition', 'stale total',
+        'stale bytes', 'refresh bytes'])
 
 
 def block_cost(block):
@@ -241,8 +283,13 @@ def imbalance(refresh_fractions=(1.0, 0.1, 0.01)):
         for size in sizes:
             lpt = assignment.assign_blocks(costs, size, frac)
             count = assignment.assign_blocks_by_count(costs, size, frac)
+            split = assignment.assign_blocks(costs, size, frac,
+                                             shardable=True)
             table[(frac, size)] = {
                 'cost_model': lpt.load_imbalance,
+                'split': split.load_imbalance,
+                'split_blocks': len(split.split_blocks),
+                'most_parts': max(len(r) for r in split.shards),
                 'by_count': count.load_imbalance,
                 'floor': max(1.0, biggest * size / total),
                 'idle_ranks': len(lpt.idle_ranks)}
@@ -257,13 +304,15 @@ def imbalance_table(imb):
         row = [str(size)]
         for frac in imb['refresh_fractions']:
             v = imb['table']['{}@{}'.format(frac, size)]
-            row.append('{:.2f} / {:.2f} / {:.2f}'.format(
-                v['cost_model'], v['by_count'], v['floor']))
+            row.append('{:.2f} / {:.2f} / {:.2f} / {:.2f} ({}, {})'.format(
+                v['cost_model'], v['by_count'], v['floor'], v['split'],
+                v['split_blocks'], v['most_parts']))
         row.append(str(imb['table']['1.0@{}'.format(size)]['idle_ranks']))
         rows.append(row)
     return harness.table(rows, ['ranks'] + [
-        'refresh {:g}: cost model / by count / floor'.format(f)
-        for f in imb['refresh_fractions']] + ['idle ranks'])
+        'refresh {:g}: one owner / by count / one-owner floor / split '
+        '(split blocks, most parts)'.format(f)
+        for f in imb['refresh_fractions']] + ['idle ranks (one owner)'])
 
 
 def main(argv=None):
@@ -281,6 +330,11 @@ def main(argv=None):
     parser.add_argument('--threads', type=int, default=1,
                         help='BLAS threads per rank (default 1: 2 ranks '
                         'fill the 2 cores)')
+    parser.add_argument('--max-load-imbalance', default='1.1',
+                        help="the optimizer's option, or 'none'")
+    parser.add_argument('--split-model', default='wide_mlp',
+                        help="model of the split comparison ('none' skips "
+                        'it)')
     parser.add_argument('--skip-mpi', action='store_true')
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--out', default='distributed.json')
@@ -294,15 +348,32 @@ def main(argv=None):
                'interval': args.interval}
     texts = []
     if not args.skip_mpi:
-        results = run_mpi(args)
-        payload['mpi'] = {str(k): v for k, v in results.items()}
+        results = run_mpi(args, [
+            (str(size), size, args.model, args.max_load_imbalance)
+            for size in [int(v) for v in args.ranks.split(',')]])
+        payload['mpi'] = results
         text = mpi_tables(results)
+        texts.append(text)
+        print(text, flush=True)
+    if not args.skip_mpi and args.split_model != 'none':
+        results = run_mpi(args, [
+            ('-n 2, one owner', 2, args.split_model, 'none'),
+            ('-n 2, split', 2, args.split_model, '1.1')])
+        payload['split'] = {'model': args.split_model, 'runs': results}
+        text = ('Model `{}`, `mpiexec -n 2`, every block on one rank '
+                '(`max_load_imbalance=None`) and split '
+                '(`max_load_imbalance=1.1`); stage times: median over steps '
+                'of the slowest rank / of the mean rank.\n\n'.format(
+                    args.split_model) + split_table(results))
         texts.append(text)
         print(text, flush=True)
     imb = imbalance()
     payload['imbalance'] = imb
-    text = ('Load imbalance (max/mean rank cost) of ResNet-50\'s {} blocks; '
-            'floor = max(1, largest block x ranks / total)\n\n'.format(
+    text = ('Load imbalance (max/mean rank cost) of ResNet-50\'s {} blocks '
+            'at three refresh fractions of the inverses; one-owner floor = '
+            'max(1, largest block x ranks / total); split: large Kronecker '
+            'blocks\' preconditioning shared by several ranks until 1.10 '
+            'is reached, if it can be\n\n'.format(
                 imb['n_blocks']) + imbalance_table(imb))
     texts.append(text)
     print(text)

@@ -212,6 +212,7 @@ def instrument():
         ('update_factors', 'factor_update'),
         ('compute_inverse', 'inversion'),
         ('precondition', 'precondition'),
+        ('preconditioned_part', 'precondition'),
     ]
     classes = [base.FisherBlock, kronecker.KroneckerBlock,
                batch_normalization.BatchNormalizationBlock]
@@ -230,8 +231,8 @@ def instrument():
         pass
     try:
         from chainerkfac.distributed import communicator
-        for name in ('reduce_scatter_v', 'all_gather_v', 'allreduce_mean',
-                     'bcast_array'):
+        for name in ('reduce_scatter_v', 'all_gather_v', 'alltoall_v',
+                     'allreduce_mean', 'bcast_array'):
             _wrap(communicator.KfacCommunicatorMixin, name, 'communication')
     except ImportError:  # pragma: no cover
         pass

@@ -131,6 +131,19 @@ class MLP(chainer.Chain):
         return self.l3(h)
 
 
+class WideMLP(MLP):
+    """784 -> 2048 -> 10 with ReLU: one dominant Kronecker block."""
+
+    def __init__(self):
+        chainer.Chain.__init__(self)
+        with self.init_scope():
+            self.l1 = L.Linear(784, 2048)
+            self.l3 = L.Linear(2048, 10)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l1(x)))
+
+
 #: name -> (factory, input shape of one sample, number of classes)
 MODELS = {
     'resnet50': (lambda: ResNet50(1000), (3, 224, 224), 1000),
@@ -140,12 +153,14 @@ MODELS = {
                        10),
     'small_cnn': (lambda: SmallCNN(10), (3, 32, 32), 10),
     'mlp': (lambda: MLP(), (784,), 10),
+    # One block (l1: A 785, G 2048) holds almost all the curvature work.
+    'wide_mlp': (lambda: WideMLP(), (784,), 10),
 }
 
 #: Default batch per model (the issue's: 32 for ResNet-50, 128 otherwise).
 DEFAULT_BATCH = {'resnet50': 32, 'resnet50_w4': 32, 'resnet50_w4_32': 16,
                  'small_cnn': 128,
-                 'mlp': 128}
+                 'mlp': 128, 'wide_mlp': 128}
 
 DESCRIPTIONS = {
     'resnet50': 'ResNet-50, 224x224',
@@ -153,4 +168,5 @@ DESCRIPTIONS = {
     'resnet50_w4_32': 'ResNet-50 width/4, 32x32, 10 classes',
     'small_cnn': 'small CNN (3 conv+BN, FC), 32x32',
     'mlp': 'MLP 784-1024-1024-10',
+    'wide_mlp': 'MLP 784-2048-10',
 }

@@ -162,8 +162,7 @@ class KroneckerBlock(base.FisherBlock):
             return {'A_inv': s['A_inv'][:, start:stop], 'G_inv': s['G_inv']}
         return {'A_inv': s['A_inv'], 'G_inv': s['G_inv'][start:stop]}
 
-    @staticmethod
-    def preconditioned_part(grad, inverses):
+    def preconditioned_part(self, grad, inverses):
         """The part of ``V`` that ``inverses`` (from :meth:`inverse_part`)
         select, for the whole gradient ``grad``."""
         return linalg.kronecker_precondition(grad, inverses['A_inv'],
