@@ -234,7 +234,10 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0, shardable=False,
     with the costliest part that a further split makes cheaper gets one
     part more (at most one per rank and per row or column of its longer
     side), and the parts are placed again; the best placement seen is
-    returned.
+    returned. Splitting also stops when a part that cannot shrink already
+    sets the busiest rank's load, or when the costliest part to split is
+    below :data:`SPLIT_FLOOR` of the mean: blocks are split only where it
+    can pay for the bytes it costs.
 
     Args:
         blocks (iterable of BlockCost): The curvature blocks, in a fixed

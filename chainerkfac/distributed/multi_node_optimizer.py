@@ -304,6 +304,8 @@ class HybridParallelStages(kfac.LocalStages):
                 block.precondition(weight_decay)
                 return None
             start, stop = self._bounds[i][self._parts[i]]
+            if start == stop:
+                return None  # an owner busy enough with the inverses
             if self._parts[i] == 0:
                 inverses = (block.inverse_part(start, stop)
                             if block.ready() else None)
