@@ -236,18 +236,27 @@ def mpi_tables(results):
 
 def split_table(results):
     """One owner per block against split blocks, same model and ranks."""
+    def stage(summary, name):
+        if summary is None:  # no step of that kind was timed
+            return '-'
+        return '{:.4f} / {:.4f}'.format(summary[name]['max'],
+                                        summary[name]['mean'])
+
+    def nbytes(summary):
+        return '-' if summary is None else harness.fmt_bytes(
+            sum(summary['bytes_per_rank'].values()))
+
     rows = []
     for key, res in results.items():
-        refresh, stale = res['summary']['refresh'], res['summary']['stale']
+        refresh = res['summary'].get('refresh')
+        stale = res['summary'].get('stale')
         rows.append([key, ', '.join('{} in {}'.format(n, k) for n, k in
                                     res['split_blocks'].items()) or '-',
-                     '{:.2f}'.format(res['load_imbalance'])] + [
-            '{:.4f} / {:.4f}'.format(s[stage]['max'], s[stage]['mean'])
-            for s, stage in ((refresh, 'inversion'),
-                             (refresh, 'precondition'),
-                             (stale, 'precondition'), (stale, 'total'))] + [
-            harness.fmt_bytes(sum(stale['bytes_per_rank'].values())),
-            harness.fmt_bytes(sum(refresh['bytes_per_rank'].values()))])
+                     '{:.2f}'.format(res['load_imbalance']),
+                     stage(refresh, 'inversion'),
+                     stage(refresh, 'precondition'),
+                     stage(stale, 'precondition'), stage(stale, 'total'),
+                     nbytes(stale), nbytes(refresh)])
     return harness.table(rows, [
         'run', 'split blocks (parts)', 'cost imbalance',
         'refresh inversion (max / mean over ranks, s)',
