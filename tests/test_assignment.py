@@ -225,17 +225,19 @@ def test_duplicate_names_rejected():
 
 
 def test_shard_costs_hand_computed():
-    # a = 8, g = 4: I = 512 + 64 = 576, P = 2 * 4 * 8 * 12 = 768.
+    # a = 8, g = 4: I = 512 + 64 = 576, P = 2 * 4 * 8 * 12 = 768; the
+    # owner's inverses count LAPACK_SLOWDOWN (2) times: 1152.
     block = BlockCost('fc', 'kronecker', (8, 4))
     assert block.shard_costs(0.25, 1) == ((1.0,), (block.cost(0.25),))
-    # f I = 144; f I + w P = (1 - w) P / 2 gives w = (768 - 288) / 2304.
-    weights, costs = block.shard_costs(0.25, 3)
+    # 2 f I = 144 at f = 1/8; 144 + w P = (1 - w) P / 2 gives
+    # w = (768 - 288) / 2304.
+    weights, costs = block.shard_costs(0.125, 3)
     w = 480 / 2304
     assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
     assert costs == pytest.approx((144 + w * 768,) + ((1 - w) / 2 * 768,) * 2)
     assert costs[0] == pytest.approx(costs[1])
     # Inverses that outweigh a part leave the owner no rows at all.
-    weights, costs = block.shard_costs(1.0, 3)
+    weights, costs = block.shard_costs(0.5, 3)
     assert weights == (0.0, 0.5, 0.5) and costs == (576.0, 384.0, 384.0)
     with pytest.raises(ValueError, match='only Kronecker'):
         BlockCost('bn', 'diagonal', (4,)).shard_costs(1.0, 2)

@@ -46,29 +46,41 @@ def test_distributed_equals_single_process(tmp_path, inverse):
                                '{} ranks'.format(n))
 
 
-@pytest.mark.parametrize('n', [3, 4])
-def test_split_blocks_equal_single_process(tmp_path, n):
-    # Every Kronecker block split over ranks (max_load_imbalance=1.0): the
-    # parts of the preconditioned gradient, computed from inverse slices the
-    # owner sends whenever it refreshes them (steps 1, 4, 7), assemble to
-    # what one process computes.
-    expected = single_process(tmp_path, ['--mlp'])
+@pytest.mark.parametrize('n, every_step, parts', [
+    (3, False, {'fc1': 3, 'fc2': 3}),
+    (4, False, {'fc1': 2, 'fc2': 2}),
+    (3, True, {'fc1': 1, 'fc2': 2}),
+])
+def test_split_blocks_equal_single_process(tmp_path, n, every_step, parts):
+    # Blocks split over ranks (max_load_imbalance=1.0): the parts of the
+    # preconditioned gradient, computed from inverse slices the owner sends
+    # whenever it refreshes them (steps 1, 4, 7; every step with
+    # --every-step), assemble to what one process computes.
+    extra = ['--every-step'] if every_step else []
+    expected = single_process(tmp_path, ['--mlp'] + extra)
     out = str(tmp_path / 'split{}.npz'.format(n))
     result = mpi_helpers.run_mpi(
-        n, SCRIPT, [out, '--mlp', '--max-load-imbalance', '1.0'],
+        n, SCRIPT, [out, '--mlp', '--max-load-imbalance', '1.0'] + extra,
         timeout=180, check=True)
     assert_same_parameters(numpy.load(out), expected,
                            '{} ranks, split blocks'.format(n))
     line, = [x for x in result.stdout.splitlines() if x.startswith('parts')]
-    parts = json.loads(line.split(' ', 1)[1])
-    # fc1 (A 73 > G 50) by columns, fc2 (G 80 > A 51) by rows; on 3 ranks
-    # in three parts, the owner's (first) smallest as it also inverts.
+    found = json.loads(line.split(' ', 1)[1])
+    # fc1 (A 73 > G 50) splits by columns, fc2 (G 80 > A 51) by rows.
     for name, length in (('fc1', 73), ('fc2', 80)):
-        ranks, bounds = parts[name]
-        assert len(ranks) == {3: 3, 4: 2}[n] == len(set(ranks))
+        ranks, bounds = found[name]
+        assert len(ranks) == parts[name] == len(set(ranks))
+        if len(ranks) == 1:
+            continue
         assert bounds[0][0] == 0 and bounds[-1][1] == length
         sizes = [stop - start for start, stop in bounds]
-        assert 0 < sizes[0] < min(sizes[1:])
+        # The owner's part is the smallest: it also inverts. With
+        # inverses every step, inverting fc2 costs more than a part: the
+        # owner computes no rows.
+        if every_step:
+            assert sizes[0] == 0
+        else:
+            assert 0 < sizes[0] < min(sizes[1:])
 
 
 @pytest.mark.parametrize('n', [2, 4])

@@ -13,6 +13,16 @@ from chainerkfac import linalg
 #: Block kinds and the number of dimensions each takes.
 KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
 
+#: How much longer an operation of LAPACK's ``potrf``/``potri`` takes than
+#: one of a matrix product, as :meth:`BlockCost.shard_costs` charges the
+#: explicit inverses of a split block's owner. Measured with one BLAS thread
+#: (OpenBLAS, float32, d = 785 and 2048): ``potrf`` 42, ``potri`` 51-79,
+#: GEMM 97-102 GFLOP/s. Counted like products, a split looked cheaper than
+#: it was: under ``mpiexec -n 2`` with inverses every step, the owner of a
+#: split 785 x 2048 layer spent 0.25 s on explicit inverses where the
+#: unsplit block took 0.22 s for its Cholesky factors and products.
+LAPACK_SLOWDOWN = 2.0
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
@@ -104,12 +114,16 @@ class BlockCost:
         ``V`` are ``G⁻¹[I, :] ∇W̄ A⁻¹`` and columns ``J`` are ``G⁻¹ ∇W̄
         A⁻¹[:, J]``, so a part of a fraction ``w`` of that side costs ``w P``.
         The first part's rank, the block's owner, also refreshes the
-        explicit inverses (``f I``) and hands the others their slices, so
-        it takes a smaller share, ``w₀``, chosen to even out the parts::
+        explicit inverses and hands the others their slices, so it takes a
+        smaller share, ``w₀``, chosen to even out the parts::
 
-            f I + w₀ P = (1 - w₀) P / (shards - 1)
+            f s I + w₀ P = (1 - w₀) P / (shards - 1)
 
-        or ``w₀ = 0`` when the inverses alone exceed that.
+        or ``w₀ = 0`` when the inverses alone exceed that; ``s`` is
+        :data:`LAPACK_SLOWDOWN`. :meth:`cost` counts the unsplit block's
+        LAPACK operations like products, so splitting has to beat it by
+        that margin: it errs on the side of not splitting, which also
+        moves fewer bytes.
 
         Returns:
             ``(weights, costs)``: the fraction of the longer side and the
@@ -123,7 +137,8 @@ class BlockCost:
             raise ValueError('block {!r}: only Kronecker blocks can be split '
                              'over ranks, not {!r} ones'.format(
                                  self.name, self.kind))
-        inverse, products = f * self.inverse_cost, self.precondition_cost
+        inverse = f * LAPACK_SLOWDOWN * self.inverse_cost
+        products = self.precondition_cost
         owner = max(0.0, (products - (k - 1) * inverse) / (k * products))
         other = (1 - owner) / (k - 1)
         return ((owner,) + (other,) * (k - 1),

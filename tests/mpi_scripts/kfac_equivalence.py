@@ -2,7 +2,7 @@
 
     mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
     python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
-    ... [--mlp] [--max-load-imbalance X]
+    ... [--mlp] [--max-load-imbalance X] [--every-step]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
@@ -68,14 +68,18 @@ def main():
     parser.add_argument('--batch-norm', action='store_true')
     parser.add_argument('--mlp', action='store_true')
     parser.add_argument('--max-load-imbalance', type=float, default=1.1)
+    parser.add_argument('--every-step', action='store_true',
+                        help='refresh factors and inverses every step')
     args = parser.parse_args()
     numpy.random.seed(0)
     model = MLP() if args.mlp else CNN(args.batch_norm)
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
-        factor_interval={'A': schedules.Adaptive(threshold=0.3), 'G': 2},
-        inverse_interval=3, acc_iters=args.acc_iters)
+        factor_interval=1 if args.every_step else {
+            'A': schedules.Adaptive(threshold=0.3), 'G': 2},
+        inverse_interval=1 if args.every_step else 3,
+        acc_iters=args.acc_iters)
     rank, size = 0, 1
     if not args.single:
         comm = chainerkfac.create_communicator('naive')
