@@ -290,6 +290,13 @@ def imbalance(refresh_fractions=(1.0, 0.1, 0.01)):
         total = sum(c.cost(frac) for c in costs)
         biggest = max(c.cost(frac) for c in costs)
         for size in sizes:
+            # What no split goes below: a block's cost, or the owner's
+            # part when it is split over as many ranks as it can be.
+            refresh = max(
+                min(c.cost(frac), c.shard_costs(frac, min(
+                    size, c.split_length(frac)))[1][0])
+                if c.kind == 'kronecker' and size > 1 else c.cost(frac)
+                for c in costs)
             lpt = assignment.assign_blocks(costs, size, frac)
             count = assignment.assign_blocks_by_count(costs, size, frac)
             split = assignment.assign_blocks(costs, size, frac,
@@ -301,6 +308,7 @@ def imbalance(refresh_fractions=(1.0, 0.1, 0.01)):
                 'most_parts': max(len(r) for r in split.shards),
                 'by_count': count.load_imbalance,
                 'floor': max(1.0, biggest * size / total),
+                'split_floor': max(1.0, refresh * size / total),
                 'idle_ranks': len(lpt.idle_ranks)}
     return {'n_blocks': len(costs), 'sizes': sizes,
             'refresh_fractions': list(refresh_fractions),
@@ -313,14 +321,16 @@ def imbalance_table(imb):
         row = [str(size)]
         for frac in imb['refresh_fractions']:
             v = imb['table']['{}@{}'.format(frac, size)]
-            row.append('{:.2f} / {:.2f} / {:.2f} / {:.2f} ({}, {})'.format(
-                v['cost_model'], v['by_count'], v['floor'], v['split'],
-                v['split_blocks'], v['most_parts']))
+            row.append('{:.2f} / {:.2f} / {:.2f} / {:.2f} ({}, {}) / '
+                       '{:.2f}'.format(
+                           v['cost_model'], v['by_count'], v['floor'],
+                           v['split'], v['split_blocks'], v['most_parts'],
+                           v['split_floor']))
         row.append(str(imb['table']['1.0@{}'.format(size)]['idle_ranks']))
         rows.append(row)
     return harness.table(rows, ['ranks'] + [
         'refresh {:g}: one owner / by count / one-owner floor / split '
-        '(split blocks, most parts)'.format(f)
+        '(split blocks, most parts) / split floor'.format(f)
         for f in imb['refresh_fractions']] + ['idle ranks (one owner)'])
 
 
@@ -382,7 +392,9 @@ def main(argv=None):
             'at three refresh fractions of the inverses; one-owner floor = '
             'max(1, largest block x ranks / total); split: large Kronecker '
             'blocks\' preconditioning shared by several ranks until 1.10 '
-            'is reached, if it can be\n\n'.format(
+            'is reached, if it can be; split floor = max(1, the largest '
+            'part no split can shrink, a block\'s refresh on its owner '
+            'included, x ranks / total)\n\n'.format(
                 imb['n_blocks']) + imbalance_table(imb))
     texts.append(text)
     print(text)

@@ -216,8 +216,9 @@ def _targets_section(step_runs, peer, dist, tta):
                     rows.append([
                         'ResNet-50 load imbalance, {} ranks, {}'.format(
                             ranks, when), '<= 1.10',
-                        '{:.2f} (one owner {:.2f})'.format(
-                            cell['split'], cell['cost_model']),
+                        '{:.2f} (one owner {:.2f}, split floor {:.2f})'
+                        .format(cell['split'], cell['cost_model'],
+                                cell['split_floor']),
                         _verdict(cell['split'] <= 1.10)])
     return [harness.table(rows, ['target', 'wanted', 'measured', 'met'])]
 
@@ -368,28 +369,33 @@ def write_doc(full):
               'below, from the run of each model with the most timed '
               'rounds).', '']
     lines += _targets_section(step_runs, peer, dist, tta) + ['']
-    lines += [
-        'Load imbalance: with one owner per block, the largest block '
-        '(a res5 3x3 convolution, whose 4608 x 4608 A factor is almost a '
-        'fifth of all the inversion and preconditioning work) is a floor '
-        'from 8 ranks on (1.25 to 1.47 at 8 ranks, 10 to 12 at 64). The '
-        'assignment therefore splits the preconditioning of large '
-        'Kronecker blocks over several ranks, by rows or columns of '
-        'G⁻¹∇W̄A⁻¹, until the imbalance reaches 1.10; the owner still '
-        'computes the whole inverse and sends the other ranks the slices '
-        'they need. The stale schedule of the targets (inverses every 100 '
-        'steps) then meets 1.10 at 8 to 64 ranks. The more often the '
-        'inverses are refreshed, the more the largest inverse, which no '
-        'rank shares, becomes the floor: with inverses every 10 steps the '
-        'split reaches 1.22 at 8 ranks and 1.67 at 16; every step, '
-        'splitting cannot help (the '
-        'owner of the res5 3x3 block spends more on its inverse than the '
-        'mean rank on everything), which would take one inverse computed '
-        'by several ranks (a distributed Cholesky). Splitting costs bytes: '
-        'every rank of a split block receives its whole gradient in the '
-        'reduce-scatter-v, and the inverse slices travel in an '
-        'all-to-all-v when the owner refreshes them (see the Distributed '
-        'section for a measured run).', '']
+    if dist:
+        lines += [
+            'Load imbalance: with one owner per block, the largest block '
+            '(a res5 3x3 convolution, whose 4608 x 4608 A factor is almost a '
+            'fifth of all the inversion and preconditioning work) is a floor '
+            'from 8 ranks on (1.25 to 1.47 at 8 ranks, 10 to 12 at 64). The '
+            'assignment therefore splits the preconditioning of large '
+            'Kronecker blocks over several ranks, by rows or columns of '
+            'G⁻¹∇W̄A⁻¹, until the imbalance reaches 1.10; the owner still '
+            'refreshes the block and sends the other ranks what they need: '
+            'slices of explicit inverses, or, when inverses serve few steps, '
+            'the larger factor\'s Cholesky factor and slices of the smaller '
+            'inverse, so that no rank forms the larger inverse. The stale '
+            'schedule of the step-time targets (inverses every 100 steps) '
+            'meets 1.10 at 8 to 64 ranks, and inverses every 10 steps at 8 '
+            'and 16. What is left is the owner\'s refresh of a res5 3x3 '
+            'block, which no split shrinks (the split floor): every 10 steps '
+            'it is {:.2f} times the mean load at 32 ranks and {:.2f} times at '
+            '64; every step it exceeds what the block costs unsplit, so '
+            'nothing is split. Going below it would take one factorization computed by '
+            'several ranks (a distributed Cholesky). Splitting costs bytes: '
+            'every rank of a split block receives its whole gradient in the '
+            'reduce-scatter-v, and what the parts need travels in an '
+            'all-to-all-v when the owner refreshes the block (see the '
+            'Distributed section for a measured run).'.format(*(
+                dist['imbalance']['table']['0.1@{}'.format(n)]['split_floor']
+                for n in (32, 64))), '']
     lines += _stale_budget(step_runs)
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',

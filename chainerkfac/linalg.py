@@ -220,6 +220,21 @@ def cholesky_precondition(grad, L_A, L_G):
     return _cholesky_solve(L_G, _cholesky_solve(L_A, grad.T).T)
 
 
+def mixed_precondition(grad, A_inv=None, G_inv=None, A_chol=None,
+                       G_chol=None):
+    """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` from the explicit inverse of one factor and
+    the Cholesky factor of the other: ``(A_d⁻¹ (G_d⁻¹ ∇W̄)ᵀ)ᵀ`` for
+    ``G_inv, A_chol``, ``G_d⁻¹ (∇W̄ A_d⁻¹)`` for ``A_inv, G_chol``.
+
+    Rows ``I`` of ``G_inv`` (columns ``J`` of ``A_inv``) give rows ``I``
+    (columns ``J``) of ``V``: how ranks share a block whose larger factor
+    is not inverted explicitly (distributed K-FAC, split blocks).
+    """
+    if A_chol is not None:
+        return _cholesky_solve(A_chol, (G_inv @ grad).T).T
+    return _cholesky_solve(G_chol, grad @ A_inv)
+
+
 def eigen_precondition(grad, eig_A, eig_G, damping):
     """``V = Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + ε)] Q_Aᵀ`` (exact damping)."""
     w_A, Q_A = eig_A

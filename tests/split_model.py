@@ -11,12 +11,13 @@ import chainer.links as L
 
 
 class SplitMLP(chainer.Chain):
-    def __init__(self, n_in, n_out=3):
+    def __init__(self, n_in, n_out=3, hidden=(50, 80)):
         super().__init__()
+        h1, h2 = hidden
         with self.init_scope():
-            self.fc1 = L.Linear(n_in, 50)
-            self.fc2 = L.Linear(50, 80)
-            self.fc3 = L.Linear(80, n_out)
+            self.fc1 = L.Linear(n_in, h1)
+            self.fc2 = L.Linear(h1, h2)
+            self.fc3 = L.Linear(h2, n_out)
 
     def forward(self, x):
         h = F.tanh(self.fc1(x.reshape(len(x), -1)))

@@ -226,19 +226,33 @@ def test_duplicate_names_rejected():
 
 def test_shard_costs_hand_computed():
     # a = 8, g = 4: I = 512 + 64 = 576, P = 2 * 4 * 8 * 12 = 768; the
-    # owner's inverses count LAPACK_SLOWDOWN (2) times: 1152.
+    # owner's refresh counts LAPACK_SLOWDOWN (2) times.
     block = BlockCost('fc', 'kronecker', (8, 4))
     assert block.shard_costs(0.25, 1) == ((1.0,), (block.cost(0.25),))
+    # An inverse serving 8 steps is explicit (8 * 3 * 384 >= 8 * 576):
     # 2 f I = 144 at f = 1/8; 144 + w P = (1 - w) P / 2 gives
-    # w = (768 - 288) / 2304.
+    # w = (768 - 288) / 2304, of the longer side.
+    assert block.explicit_form(0.125) and block.split_length(0.125) == 8
     weights, costs = block.shard_costs(0.125, 3)
     w = 480 / 2304
     assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
     assert costs == pytest.approx((144 + w * 768,) + ((1 - w) / 2 * 768,) * 2)
     assert costs[0] == pytest.approx(costs[1])
-    # Inverses that outweigh a part leave the owner no rows at all.
+    # One serving 2 steps keeps the larger factor's Cholesky factor; parts
+    # split the shorter side. Refreshing: 2 f (a³ / 3 + g³) = 704 / 3 at
+    # f = 1/2. The parts' work: 2 g a (g + 1.125 a) = 832 (triangular
+    # solves count 1 + 1/C = 1.125 times). 704 / 3 + 832 w = 832 (1 - w) / 2
+    # gives w = (832 - 1408 / 3) / 2496.
+    assert not block.explicit_form(0.5) and block.split_length(0.5) == 4
     weights, costs = block.shard_costs(0.5, 3)
-    assert weights == (0.0, 0.5, 0.5) and costs == (576.0, 384.0, 384.0)
+    w = (832 - 1408 / 3) / 2496
+    assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
+    assert costs == pytest.approx((704 / 3 + w * 832,) * 3)
+    # A refresh that outweighs a part leaves the owner no rows at all:
+    # 1408 / 3 at f = 1.
+    weights, costs = block.shard_costs(1.0, 3)
+    assert weights == (0.0, 0.5, 0.5)
+    assert costs == pytest.approx((1408 / 3, 416.0, 416.0))
     with pytest.raises(ValueError, match='only Kronecker'):
         BlockCost('bn', 'diagonal', (4,)).shard_costs(1.0, 2)
 

@@ -46,38 +46,43 @@ def test_distributed_equals_single_process(tmp_path, inverse):
                                '{} ranks'.format(n))
 
 
-@pytest.mark.parametrize('n, every_step, parts', [
-    (3, False, {'fc1': 3, 'fc2': 3}),
-    (4, False, {'fc1': 2, 'fc2': 2}),
-    (3, True, {'fc1': 1, 'fc2': 2}),
+# name: (parts, length of the split side, form, owner's part empty).
+@pytest.mark.parametrize('n, options, parts', [
+    # Inverses serving 6 steps are explicit; V splits along its longer
+    # side: fc1 (A 73 > G 50) by columns, fc2 (G 80 > A 51) by rows.
+    (3, ['--inverse-interval', '6'],
+     {'fc1': (3, 73, 'explicit', False), 'fc2': (3, 80, 'explicit', False)}),
+    # Serving 3 steps, they are Cholesky factors; V splits along its
+    # shorter side: fc1 by rows, fc2 by columns.
+    (4, [], {'fc1': (2, 50, 'cholesky', False),
+             'fc2': (2, 51, 'cholesky', False)}),
+    # Hidden widths 80, 20: fc1 (A 73, G 80) explicit, fc2 (A 81, G 20)
+    # Cholesky, both split by rows; refreshing costs each owner more than
+    # a part, so the owners compute no rows.
+    (4, ['80,20'], {'fc1': (4, 80, 'explicit', True),
+                    'fc2': (4, 20, 'cholesky', True)}),
 ])
-def test_split_blocks_equal_single_process(tmp_path, n, every_step, parts):
+def test_split_blocks_equal_single_process(tmp_path, n, options, parts):
     # Blocks split over ranks (max_load_imbalance=1.0): the parts of the
-    # preconditioned gradient, computed from inverse slices the owner sends
-    # whenever it refreshes them (steps 1, 4, 7; every step with
-    # --every-step), assemble to what one process computes.
-    extra = ['--every-step'] if every_step else []
-    expected = single_process(tmp_path, ['--mlp'] + extra)
+    # preconditioned gradient, computed from what the owner sends whenever
+    # it refreshes the inverses (steps 1, 4, 7; 1 and 7 with interval 6),
+    # assemble to what one process computes.
+    expected = single_process(tmp_path, ['--mlp'] + options)
     out = str(tmp_path / 'split{}.npz'.format(n))
     result = mpi_helpers.run_mpi(
-        n, SCRIPT, [out, '--mlp', '--max-load-imbalance', '1.0'] + extra,
+        n, SCRIPT, [out, '--mlp'] + options + ['--max-load-imbalance', '1.0'],
         timeout=180, check=True)
     assert_same_parameters(numpy.load(out), expected,
                            '{} ranks, split blocks'.format(n))
     line, = [x for x in result.stdout.splitlines() if x.startswith('parts')]
     found = json.loads(line.split(' ', 1)[1])
-    # fc1 (A 73 > G 50) splits by columns, fc2 (G 80 > A 51) by rows.
-    for name, length in (('fc1', 73), ('fc2', 80)):
-        ranks, bounds = found[name]
-        assert len(ranks) == parts[name] == len(set(ranks))
-        if len(ranks) == 1:
-            continue
+    for name, (count, length, form, owner_empty) in parts.items():
+        ranks, bounds, got_form = found[name]
+        assert len(ranks) == count == len(set(ranks)) and got_form == form
         assert bounds[0][0] == 0 and bounds[-1][1] == length
         sizes = [stop - start for start, stop in bounds]
-        # The owner's part is the smallest: it also inverts. With
-        # inverses every step, inverting fc2 costs more than a part: the
-        # owner computes no rows.
-        if every_step:
+        # The owner's part is the smallest: it also refreshes the block.
+        if owner_empty:
             assert sizes[0] == 0
         else:
             assert 0 < sizes[0] < min(sizes[1:])

@@ -72,9 +72,9 @@ def test_distributed_resume_equals_uninterrupted_run(tmp_path):
 
 
 def test_distributed_resume_with_split_blocks(tmp_path):
-    # 3 ranks share the preconditioning of each block; the slices of the
-    # inverses they hold are not in the snapshots: the owners send them
-    # again on the first step after resuming.
+    # 2 of 3 ranks share the preconditioning of fc2, from its Cholesky
+    # factors. What the other rank holds of them is not in the snapshots:
+    # the owner sends it again on the first step after resuming.
     k = 5
 
     def run3(name, start, stop, resume=None):

@@ -250,11 +250,21 @@ def test_cholesky_precondition_equals_inverse_products():
     rng = numpy.random.RandomState(1)
     A, G = (X @ X.T for X in (rng.randn(7, 9), rng.randn(4, 5)))
     grad = rng.randn(4, 7)
-    expected = linalg.kronecker_precondition(
-        grad, linalg.damped_inverse(A, 0.1), linalg.damped_inverse(G, 0.2))
-    got = linalg.cholesky_precondition(
-        grad, linalg.damped_cholesky(A, 0.1), linalg.damped_cholesky(G, 0.2))
+    A_inv, G_inv = linalg.damped_inverse(A, 0.1), linalg.damped_inverse(G, 0.2)
+    expected = linalg.kronecker_precondition(grad, A_inv, G_inv)
+    L_A, L_G = linalg.damped_cholesky(A, 0.1), linalg.damped_cholesky(G, 0.2)
+    got = linalg.cholesky_precondition(grad, L_A, L_G)
     numpy.testing.assert_allclose(got, expected, rtol=1e-10)
+    # One factor explicit and the other Cholesky, for split blocks: parts
+    # of the explicit inverse give parts of V.
+    rows = [linalg.mixed_precondition(grad, G_inv=G_inv[I], A_chol=L_A)
+            for I in (slice(0, 1), slice(1, 4))]
+    columns = [linalg.mixed_precondition(grad, A_inv=A_inv[:, J], G_chol=L_G)
+               for J in (slice(0, 5), slice(5, 7))]
+    numpy.testing.assert_allclose(numpy.concatenate(rows), expected,
+                                  rtol=1e-10)
+    numpy.testing.assert_allclose(numpy.concatenate(columns, axis=1),
+                                  expected, rtol=1e-10)
 
 
 def test_nan_gradient_raises_by_default():

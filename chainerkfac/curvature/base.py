@@ -66,9 +66,14 @@ class FisherBlock:
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
         self._damping_used = None
-        #: Set by the distributed stages when the block's preconditioning
-        #: is split over ranks, which receive slices of explicit inverses.
-        self.explicit_inverse = False
+        #: ``None``: each refresh picks the form of the inverse. The
+        #: distributed stages fix it for a block whose preconditioning they
+        #: split over ranks, as the split depends on it
+        #: (:meth:`BlockCost.shard_costs
+        #: <chainerkfac.curvature.cost.BlockCost.shard_costs>`):
+        #: ``'explicit'`` inverses, or ``'cholesky'``, the larger factor's
+        #: Cholesky factor and the smaller factor's inverse.
+        self.inverse_form = None
 
     @classmethod
     def unsupported_reason(cls, link):

@@ -15,12 +15,12 @@ KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
 
 #: How much longer an operation of LAPACK's ``potrf``/``potri`` takes than
 #: one of a matrix product, as :meth:`BlockCost.shard_costs` charges the
-#: explicit inverses of a split block's owner. Measured with one BLAS thread
-#: (OpenBLAS, float32, d = 785 and 2048): ``potrf`` 42, ``potri`` 51-79,
-#: GEMM 97-102 GFLOP/s. Counted like products, a split looked cheaper than
-#: it was: under ``mpiexec -n 2`` with inverses every step, the owner of a
-#: split 785 x 2048 layer spent 0.25 s on explicit inverses where the
-#: unsplit block took 0.22 s for its Cholesky factors and products.
+#: refresh of a split block's owner. Measured with one BLAS thread
+#: (OpenBLAS, float32): ``potrf`` 42 GFLOP/s at d = 785 and 2048, 67 at
+#: 4608; ``potri`` 51-79; GEMM 97-106. Counted like products, a split looked
+#: cheaper than it was: under ``mpiexec -n 2`` with inverses every step, the
+#: owner of a split 785 x 2048 layer spent 0.25 s on explicit inverses where
+#: the unsplit block took 0.22 s for its Cholesky factors and products.
 LAPACK_SLOWDOWN = 2.0
 
 
@@ -85,48 +85,78 @@ class BlockCost:
         c2 = 2 * self.dims[0]
         return 2 * c2 ** 2 if self.kind == 'full' else c2
 
+    def explicit_form(self, refresh_fraction=1.0):
+        """Whether a Kronecker block whose inverses are refreshed on a
+        fraction ``f`` of the iterations keeps explicit inverses (else
+        Cholesky factors): :func:`chainerkfac.linalg.explicit_inverse_pays`
+        for an inverse serving ``1/f`` steps."""
+        f = refresh_fraction
+        return self.kind == 'kronecker' and (
+            f == 0 or linalg.explicit_inverse_pays(*self.dims, 1 / f))
+
     def cost(self, refresh_fraction=1.0):
         """Operations per iteration when inverses are refreshed on a
         ``refresh_fraction`` ``f`` of the iterations (1 without stale Fisher).
 
-        A Kronecker block takes the form
-        :func:`chainerkfac.linalg.explicit_inverse_pays` chooses for an
-        inverse serving ``1/f`` steps. With ``I = d_A³ + d_G³``, ``P`` the
-        preconditioning products and ``C`` the rule's break-even constant,
-        it costs ``f I + P`` with explicit inverses, and ``f I / 3 +
-        (1 + 1/C) P`` with Cholesky factors (``potrf`` only; triangular
-        solves do the products' work more slowly, by the ``P / C`` per step
-        that puts the rule's break-even where it is).
+        A Kronecker block takes the form :meth:`explicit_form` chooses. With
+        ``I = d_A³ + d_G³``, ``P`` the preconditioning products and ``C``
+        the rule's break-even constant, it costs ``f I + P`` with explicit
+        inverses, and ``f I / 3 + (1 + 1/C) P`` with Cholesky factors
+        (``potrf`` only; triangular solves do the products' work more
+        slowly, by the ``P / C`` per step that puts the rule's break-even
+        where it is).
         """
         f = refresh_fraction
-        if self.kind != 'kronecker' or f == 0 or \
-                linalg.explicit_inverse_pays(*self.dims, 1 / f):
+        if self.kind != 'kronecker' or self.explicit_form(f):
             return f * self.inverse_cost + self.precondition_cost
         return (f * self.inverse_cost / 3
                 + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN)
                 * self.precondition_cost)
 
+    def split_length(self, refresh_fraction=1.0):
+        """The side of ``V = G⁻¹ ∇W̄ A⁻¹`` that :meth:`shard_costs` splits:
+        the longer one with explicit inverses, the shorter one with
+        Cholesky factors."""
+        d_A, d_G = self.dims
+        return (max if self.explicit_form(refresh_fraction) else min)(
+            d_A, d_G)
+
     def shard_costs(self, refresh_fraction, shards):
         """How a Kronecker block's work is divided when its preconditioning
         is split into ``shards`` parts on as many ranks.
 
-        ``V = G⁻¹ ∇W̄ A⁻¹`` splits along its longer side: rows ``I`` of
-        ``V`` are ``G⁻¹[I, :] ∇W̄ A⁻¹`` and columns ``J`` are ``G⁻¹ ∇W̄
-        A⁻¹[:, J]``, so a part of a fraction ``w`` of that side costs ``w P``.
-        The first part's rank, the block's owner, also refreshes the
-        explicit inverses and hands the others their slices, so it takes a
-        smaller share, ``w₀``, chosen to even out the parts::
+        The first part's rank, the block's owner, refreshes the inverses
+        at a fraction ``f`` of the iterations and hands the others what
+        their parts need. The block keeps the form of :meth:`explicit_form`:
 
-            f s I + w₀ P = (1 - w₀) P / (shards - 1)
+        * Explicit inverses: ``V`` splits along its longer side. Rows ``I``
+          of ``V`` are ``G⁻¹[I, :] ∇W̄ A⁻¹`` and columns ``J`` are ``G⁻¹ ∇W̄
+          A⁻¹[:, J]``, so a part of a fraction ``w`` of that side costs
+          ``w P`` and needs a slice of one inverse and the other whole. The
+          owner pays ``R = f s I`` to refresh them.
+        * For inverses serving few steps, the Cholesky factor of the larger
+          factor and the explicit inverse of the smaller one, say ``L_A``
+          and ``G⁻¹`` when ``d_G < d_A``: ``V`` splits along its shorter
+          side, ``V[I, :] = (G⁻¹[I, :] ∇W̄) A⁻¹`` by triangular solves
+          (:func:`chainerkfac.linalg.mixed_precondition`). A part costs
+          ``w (2 d_G² d_A + (1 + 1/C) 2 d_A² d_G)`` and needs ``L_A`` whole
+          and rows of ``G⁻¹``. The owner pays ``R = f s (d_A³ / 3 +
+          d_G³)``: no rank forms the larger inverse, which held the owner
+          back when inverses are refreshed often.
 
-        or ``w₀ = 0`` when the inverses alone exceed that; ``s`` is
-        :data:`LAPACK_SLOWDOWN`. :meth:`cost` counts the unsplit block's
-        LAPACK operations like products, so splitting has to beat it by
-        that margin: it errs on the side of not splitting, which also
-        moves fewer bytes.
+        ``s`` is :data:`LAPACK_SLOWDOWN`. With ``Q`` the whole block's work
+        on the parts (``P`` or the sum above), the owner's smaller share
+        ``w₀`` evens out the parts::
+
+            R + w₀ Q = (1 - w₀) Q / (shards - 1)
+
+        or ``w₀ = 0`` when ``R`` alone exceeds that. :meth:`cost` counts
+        the unsplit block's LAPACK operations like products, so splitting
+        has to beat it by that margin: it errs on the side of not
+        splitting, which also moves fewer bytes.
 
         Returns:
-            ``(weights, costs)``: the fraction of the longer side and the
+            ``(weights, costs)``: the fraction of the split side and the
             operations per iteration of each part; one part is the unsplit
             block, ``((1.0,), (cost(f),))``.
         """
@@ -137,9 +167,15 @@ class BlockCost:
             raise ValueError('block {!r}: only Kronecker blocks can be split '
                              'over ranks, not {!r} ones'.format(
                                  self.name, self.kind))
-        inverse = f * LAPACK_SLOWDOWN * self.inverse_cost
-        products = self.precondition_cost
-        owner = max(0.0, (products - (k - 1) * inverse) / (k * products))
+        if self.explicit_form(f):
+            refresh = f * LAPACK_SLOWDOWN * self.inverse_cost
+            split = self.precondition_cost
+        else:
+            short, long = sorted(self.dims)
+            refresh = f * LAPACK_SLOWDOWN * (long ** 3 / 3 + short ** 3)
+            split = 2 * short * long * (
+                short + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN) * long)
+        owner = max(0.0, (split - (k - 1) * refresh) / (k * split))
         other = (1 - owner) / (k - 1)
         return ((owner,) + (other,) * (k - 1),
-                (inverse + owner * products,) + (other * products,) * (k - 1))
+                (refresh + owner * split,) + (other * split,) * (k - 1))

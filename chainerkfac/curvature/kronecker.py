@@ -84,7 +84,15 @@ class KroneckerBlock(base.FisherBlock):
             return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
                     'G_eigvals': w_G, 'G_eigvecs': Q_G}
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
-        if self.explicit_inverse or \
+        if self.inverse_form == 'cholesky':
+            # Split over ranks: only the larger factor stays a Cholesky
+            # factor (BlockCost.shard_costs).
+            if len(A) >= len(G):
+                return {'A_chol': linalg.damped_cholesky(A, damping_A),
+                        'G_inv': linalg.damped_inverse(G, damping_G)}
+            return {'A_inv': linalg.damped_inverse(A, damping_A),
+                    'G_chol': linalg.damped_cholesky(G, damping_G)}
+        if self.inverse_form == 'explicit' or \
                 linalg.explicit_inverse_pays(len(A), len(G), reuse):
             return {'A_inv': linalg.damped_inverse(A, damping_A),
                     'G_inv': linalg.damped_inverse(G, damping_G)}
@@ -123,18 +131,21 @@ class KroneckerBlock(base.FisherBlock):
         return self.inverse != 'eigen'
 
     def _split_columns(self):
-        # V is (d_G, d_A): split its longer side.
+        # V is (d_G, d_A). Explicit inverses split its longer side, the
+        # 'cholesky' form its shorter side (BlockCost.shard_costs).
         d_A, d_G = self.assignment_cost()[1]
-        return d_A >= d_G
+        return (d_A >= d_G) == (self.inverse_form == 'explicit')
 
     def split_length(self):
-        """The length of the longer side of ``V = G⁻¹ ∇W̄ A⁻¹``, which
-        :meth:`inverse_part` splits."""
-        return max(self.assignment_cost()[1])
+        """The length of the side of ``V = G⁻¹ ∇W̄ A⁻¹`` that parts split:
+        the longer one with explicit inverses, the shorter one in the
+        ``'cholesky'`` :attr:`inverse_form`."""
+        dims = self.assignment_cost()[1]
+        return max(dims) if self.inverse_form == 'explicit' else min(dims)
 
     def part_of(self, matrix, start, stop):
         """The view of rows or columns ``start:stop`` of a ``(d_G, d_A)``
-        matrix along its longer side."""
+        matrix along the side parts split."""
         if self._split_columns():
             return matrix[:, start:stop]
         return matrix[start:stop]
@@ -142,29 +153,34 @@ class KroneckerBlock(base.FisherBlock):
     def inverse_part_shapes(self, start, stop):
         """Shapes of the arrays :meth:`inverse_part` returns."""
         d_A, d_G = self.assignment_cost()[1]
+        whole = 'chol' if self.inverse_form == 'cholesky' else 'inv'
         if self._split_columns():
-            return {'A_inv': (d_A, stop - start), 'G_inv': (d_G, d_G)}
-        return {'A_inv': (d_A, d_A), 'G_inv': (stop - start, d_G)}
+            return {'A_inv': (d_A, stop - start), 'G_' + whole: (d_G, d_G)}
+        return {'A_' + whole: (d_A, d_A), 'G_inv': (stop - start, d_G)}
 
     def inverse_part(self, start, stop):
-        """The slices of the explicit inverses that rows or columns
-        ``start:stop`` of ``V = G⁻¹ ∇W̄ A⁻¹`` need, along its longer side.
+        """What rows or columns ``start:stop`` of ``V = G⁻¹ ∇W̄ A⁻¹`` need,
+        so that ranks can share a large block's preconditioning
+        (distributed K-FAC, see :mod:`chainerkfac.distributed.assignment`).
 
         Columns ``J`` of ``V`` are ``G⁻¹ ∇W̄ A⁻¹[:, J]`` and rows ``I`` are
-        ``G⁻¹[I, :] ∇W̄ A⁻¹``: a part costs its share of the products and
-        needs one inverse whole and a slice of the other, so ranks can share
-        a large block's preconditioning (distributed K-FAC, see
-        :mod:`chainerkfac.distributed.assignment`). Needs the explicit
-        inverses (:attr:`explicit_inverse`).
+        ``G⁻¹[I, :] ∇W̄ A⁻¹``: a slice of one inverse and the other whole.
+        With explicit inverses the longer side is split. In the
+        ``'cholesky'`` :attr:`inverse_form` the shorter one is, and the
+        whole factor is the larger factor's Cholesky factor.
         """
-        s = self.inverse_state
+        s = dict(self.inverse_state)
         if self._split_columns():
-            return {'A_inv': s['A_inv'][:, start:stop], 'G_inv': s['G_inv']}
-        return {'A_inv': s['A_inv'], 'G_inv': s['G_inv'][start:stop]}
+            s['A_inv'] = s['A_inv'][:, start:stop]
+        else:
+            s['G_inv'] = s['G_inv'][start:stop]
+        return s
 
     def preconditioned_part(self, grad, inverses):
         """The part of ``V`` that ``inverses`` (from :meth:`inverse_part`)
         select, for the whole gradient ``grad``."""
+        if 'A_chol' in inverses or 'G_chol' in inverses:
+            return linalg.mixed_precondition(grad, **inverses)
         return linalg.kronecker_precondition(grad, inverses['A_inv'],
                                              inverses['G_inv'])
 

@@ -18,11 +18,12 @@ cannot do better than 1.47 and 64 ranks than 11.7. When the assignment
 allows it (``shardable``), a Kronecker block's preconditioning is split
 over several ranks by rows or columns of ``G⁻¹ ∇W̄ A⁻¹``
 (:meth:`BlockCost.shard_costs`): the owner still refreshes the inverses
-and hands each other rank the slices its part needs; every rank of the
-block receives its whole gradient. Blocks are split only until the load
-imbalance reaches ``max_imbalance``: each split moves a copy of the
-block's gradient more in the reduce-scatter. Inverses cannot be split, so
-the largest inverse stays a floor when they are refreshed often.
+(or Cholesky factors, for inverses that serve few steps) and hands each
+other rank what its part needs; every rank of the block receives its whole
+gradient. Blocks are split only until the load imbalance reaches
+``max_imbalance``: each split moves a copy of the block's gradient more in
+the reduce-scatter. A factorization cannot be split, so the largest one
+stays a floor when inverses are refreshed often.
 
 Everything here is a pure function of (blocks, costs, world size): every rank
 computes the same :class:`Assignment` without communicating.
@@ -55,7 +56,7 @@ class Assignment:
         owners (tuple of int): ``owners[i]`` is the only rank that refreshes
             the factors and inverses of block ``i``.
         shards (tuple of tuple of int): The ranks of each block's parts.
-        weights (tuple of tuple of float): The fraction of the longer side
+        weights (tuple of tuple of float): The fraction of the split side
             of ``G⁻¹ ∇W̄ A⁻¹`` each part computes (see
             :meth:`BlockCost.shard_costs`; the owner may get none).
         loads (tuple of float): Cost assigned to each rank, indexed by rank.
@@ -82,8 +83,8 @@ class Assignment:
 
         Idle ranks count in the mean: the model-parallel stage takes as long
         as the busiest rank, whatever the others do. Work that splitting
-        adds (explicit inverses where Cholesky factors would do) counts
-        against it.
+        adds (the refresh at LAPACK's speed, an inverse formed explicitly
+        where a Cholesky factor would do) counts against it.
         """
         if self.work == 0:
             return 1.0
@@ -232,8 +233,9 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0, shardable=False,
 
     While the load imbalance exceeds ``max_imbalance``, the shardable block
     with the costliest part that a further split makes cheaper gets one
-    part more (at most one per rank and per row or column of its longer
-    side), and the parts are placed again; the best placement seen is
+    part more (at most one per rank and per row or column of the side it
+    splits, :meth:`BlockCost.split_length`), and the parts are placed
+    again; the best placement seen is
     returned. Splitting also stops when a part that cannot shrink already
     sets the busiest rank's load, or when the costliest part to split is
     below :data:`SPLIT_FLOOR` of the mean: blocks are split only where it
@@ -273,8 +275,8 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0, shardable=False,
     while best.load_imbalance > max_imbalance:
         candidates = [
             i for i in range(len(blocks))
-            if shardable[i] and parts[i] < min(world_size,
-                                               max(blocks[i].dims))
+            if shardable[i] and parts[i] < min(
+                world_size, blocks[i].split_length(fractions[i]))
             and costliest_part(i, parts[i] + 1) < costliest_part(i, parts[i])]
         # No placement beats the costliest part that cannot shrink.
         floor = max([costliest_part(i, parts[i]) for i in range(len(blocks))

@@ -13,7 +13,8 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
   parallel);
 * :meth:`~KfacCommunicatorMixin.alltoall_v` (between stages 4 and 5):
   the owner of a block whose preconditioning is split over ranks hands
-  each of them the slices of the inverses its part needs;
+  each of them what its part needs (slices of the inverses, a Cholesky
+  factor);
 * :meth:`~KfacCommunicatorMixin.allreduce_mean` and
   :meth:`~KfacCommunicatorMixin.bcast_array` for the rest.
 

@@ -40,6 +40,26 @@ def _pack(stat):
     return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
 
 
+def _pack_part(key, array):
+    # A lower Cholesky factor travels as its triangle, half the bytes.
+    if key.endswith('_chol'):
+        return linalg.pack_symmetric(array.T)
+    return array.ravel()
+
+
+def _unpack_part(key, flat, shape):
+    if key.endswith('_chol'):
+        xp = backend.get_array_module(flat)
+        return xp.tril(linalg.unpack_symmetric(flat, shape[0]))
+    return flat.reshape(shape)
+
+
+def _part_size(key, shape):
+    d = shape[0]
+    return d * (d + 1) // 2 if key.endswith('_chol') else int(
+        numpy.prod(shape))
+
+
 class HybridParallelStages(kfac.LocalStages):
     """The stages of :class:`~chainerkfac.optimizers.KFAC` under MPI.
 
@@ -50,9 +70,11 @@ class HybridParallelStages(kfac.LocalStages):
 
     A block is preconditioned by its owner, or, when the assignment splits
     it (``max_load_imbalance``), by several ranks, each computing rows or
-    columns of ``G⁻¹ ∇W̄ A⁻¹`` with slices of the inverses that the owner
-    sends them whenever it refreshes them (and on the first step of a
-    process, which is what resuming from a snapshot needs).
+    columns of ``G⁻¹ ∇W̄ A⁻¹`` with what the owner sends them whenever it
+    refreshes the block (and on the first step of a process, which is what
+    resuming from a snapshot needs): a slice of one explicit inverse and the
+    other whole, or the larger factor's Cholesky factor when inverses serve
+    too few steps to pay for its explicit inverse.
 
     Optimizer hooks run between stages 3 and 4, on the reduced gradients of
     the blocks a rank preconditions: per-parameter hooks (``WeightDecay``,
@@ -82,7 +104,7 @@ class HybridParallelStages(kfac.LocalStages):
         self._layout = None
         self._shapes = None
         # Of split blocks: {block: [(start, stop) per part]}, this rank's
-        # part of each and the inverse slices it received.
+        # part of each and the inverses it received for it.
         self._bounds = {}
         self._parts = {}
         self._part_inverses = {}
@@ -124,14 +146,17 @@ class HybridParallelStages(kfac.LocalStages):
         # run's first iteration, which the options alone decide.
         blocks = optimizer.blocks
         split = self.max_load_imbalance is not None
+        costs = [assignment_module.BlockCost(b.name, *b.assignment_cost())
+                 for b in blocks]
+        fractions = [1 / b.inverse_reuse() for b in blocks]
         self.assignment = assignment_module.assign_blocks(
-            [assignment_module.BlockCost(b.name, *b.assignment_cost())
-             for b in blocks], self.comm.size,
-            [1 / b.inverse_reuse() for b in blocks],
+            costs, self.comm.size, fractions,
             shardable=[split and b.splittable() for b in blocks],
             max_imbalance=self.max_load_imbalance or 1.0)
         for i in self.assignment.split_blocks:
-            blocks[i].explicit_inverse = True
+            # The parts' shapes follow the form the cost model split by.
+            blocks[i].inverse_form = ('explicit' if costs[i].explicit_form(
+                fractions[i]) else 'cholesky')
             self._bounds[i] = self.assignment.part_bounds(
                 i, blocks[i].split_length())
         self._parts = self.assignment.parts_of(self.comm.rank)
@@ -157,7 +182,8 @@ class HybridParallelStages(kfac.LocalStages):
         if i not in self._bounds:
             return size
         start, stop = self._bounds[i][s]
-        return size // max(self._shapes[i]) * (stop - start)
+        # The last part ends at the length of the split side.
+        return size // self._bounds[i][-1][1] * (stop - start)
 
     def reduce(self, optimizer):
         if self.assignment is None:
@@ -248,10 +274,11 @@ class HybridParallelStages(kfac.LocalStages):
                 and self._bounds[i][s][0] < self._bounds[i][s][1]]
 
     def share_inverses(self, optimizer, refreshed):
-        """Owners of split blocks send each other rank of the block the
-        inverse slices of its part (:meth:`KroneckerBlock.inverse_part
+        """Owners of split blocks send each other rank of the block what
+        its part needs (:meth:`KroneckerBlock.inverse_part
         <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`),
-        one flag per part saying whether new slices follow."""
+        after one flag per part saying whether anything new follows. A
+        Cholesky factor travels as its lower triangle."""
         if not self.assignment.split_blocks:
             return
         blocks = optimizer.blocks
@@ -271,8 +298,10 @@ class HybridParallelStages(kfac.LocalStages):
                 counts[dest] += 1
                 if send:
                     inverses = block.inverse_part(*self._bounds[i][s])
-                    parts += [inverses[k].ravel() for k in sorted(inverses)]
-                    counts[dest] += sum(a.size for a in inverses.values())
+                    packed = [_pack_part(k, inverses[k])
+                              for k in sorted(inverses)]
+                    parts += packed
+                    counts[dest] += sum(a.size for a in packed)
         send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
         received, _ = self.comm.alltoall_v(send_buffer, counts)
         self._send_all_inverses = False
@@ -287,9 +316,9 @@ class HybridParallelStages(kfac.LocalStages):
                 shapes = blocks[i].inverse_part_shapes(*self._bounds[i][s])
                 inverses = {}
                 for key in sorted(shapes):
-                    size = int(numpy.prod(shapes[key]))
-                    inverses[key] = received[offset:offset + size].reshape(
-                        shapes[key])
+                    size = _part_size(key, shapes[key])
+                    inverses[key] = _unpack_part(
+                        key, received[offset:offset + size], shapes[key])
                     offset += size
                 self._part_inverses[i] = inverses
 

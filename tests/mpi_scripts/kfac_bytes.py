@@ -7,11 +7,13 @@ A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks, and the
 allreduce carries the other gradients and the BatchNorm running statistics.
 A refresh step adds the upper triangles of the refreshed factors. Replicas,
-running statistics included, stay identical. With ``--split`` every block
-of :class:`tests.split_model.SplitMLP` is split over the ranks: each part
-with rows or columns to compute receives the block's gradient, and the
-owner sends each other part one flag every step and, when it refreshed the
-inverses, their slices. Exits non-zero on a mismatch.
+running statistics included, stay identical. With ``--split`` two blocks
+of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
+explicit inverses and one with Cholesky factors: each part with rows or
+columns to compute receives the block's gradient, and the owner sends each
+other part one flag every step and, when it refreshed the block, what the
+part needs (inverse slices; both Cholesky factors whole). Exits non-zero on
+a mismatch.
 """
 import sys
 
@@ -92,7 +94,7 @@ def main():
 def main_split():
     comm = chainerkfac.create_communicator('naive')
     numpy.random.seed(0)
-    model = split_model.SplitMLP(36)
+    model = split_model.SplitMLP(36, hidden=(50, 120))
     optimizer = chainerkfac.create_multi_node_optimizer(
         chainerkfac.optimizers.KFAC(factor_interval=3, inverse_interval=3),
         comm, max_load_imbalance=1.0)
@@ -108,7 +110,9 @@ def main_split():
                              rng.randint(0, 3, 6).astype('i'))
         stages = optimizer._stages
         assignment = stages.assignment
-        assert len(assignment.split_blocks) >= 2, assignment
+        forms = [optimizer.blocks[i].inverse_form
+                 for i in assignment.split_blocks]
+        assert forms == ['explicit', 'cholesky'], (forms, assignment)
         refresh = step in (1, 4)
         scattered = gathered = sent = 0
         for i, block in enumerate(optimizer.blocks):
@@ -124,9 +128,15 @@ def main_split():
                 continue
             for start, stop in bounds[1:]:
                 if stop > start:
-                    shapes = block.inverse_part_shapes(start, stop)
-                    sent += 1 + refresh * sum(
-                        int(numpy.prod(shape)) for shape in shapes.values())
+                    sent += 1
+                    if not refresh:
+                        continue
+                    for key, shape in block.inverse_part_shapes(
+                            start, stop).items():
+                        # A Cholesky factor travels as its lower triangle.
+                        sent += (shape[0] * (shape[0] + 1) // 2
+                                 if key.endswith('_chol')
+                                 else int(numpy.prod(shape)))
         expected = {
             'kfac/bytes/reduce_scatter_v': scattered * itemsize,
             'kfac/bytes/all_gather_v': gathered * itemsize,

@@ -2,7 +2,7 @@
 
     mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
     python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
-    ... [--mlp] [--max-load-imbalance X] [--every-step]
+    ... [--mlp [H1,H2]] [--max-load-imbalance X] [--every-step | --inverse-interval N]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
@@ -12,7 +12,7 @@ micro-batches. Rank 0 writes the parameters; every rank checks that its
 replica is identical to rank 0's. ``--mlp`` trains
 :class:`tests.split_model.SplitMLP` instead, whose blocks the distributed
 runs split over ranks; rank 0 then prints the parts of every block as
-JSON (``parts: {...}``).
+JSON (``parts: {...}``: ranks, bounds and the form of the inverses).
 """
 import argparse
 import json
@@ -51,9 +51,9 @@ class CNN(chainer.Chain):
 
 
 class MLP(split_model.SplitMLP):
-    def __init__(self):
+    def __init__(self, hidden):
         with chainer.using_config('dtype', numpy.float64):
-            super().__init__(2 * 6 * 6)
+            super().__init__(2 * 6 * 6, hidden=hidden)
 
     def forward(self, x, t):
         return F.softmax_cross_entropy(super().forward(x), t)
@@ -66,19 +66,22 @@ def main():
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--acc-iters', type=int, default=1)
     parser.add_argument('--batch-norm', action='store_true')
-    parser.add_argument('--mlp', action='store_true')
+    parser.add_argument('--mlp', nargs='?', const='50,80', default=None,
+                        metavar='H1,H2', help='SplitMLP and its hidden widths')
     parser.add_argument('--max-load-imbalance', type=float, default=1.1)
     parser.add_argument('--every-step', action='store_true',
                         help='refresh factors and inverses every step')
+    parser.add_argument('--inverse-interval', type=int, default=3)
     args = parser.parse_args()
     numpy.random.seed(0)
-    model = MLP() if args.mlp else CNN(args.batch_norm)
+    model = (MLP(tuple(int(h) for h in args.mlp.split(',')))
+             if args.mlp else CNN(args.batch_norm))
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
         factor_interval=1 if args.every_step else {
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
-        inverse_interval=1 if args.every_step else 3,
+        inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters)
     rank, size = 0, 1
     if not args.single:
@@ -114,7 +117,7 @@ def main():
             stages = optimizer._stages
             print('parts: ' + json.dumps({
                 block.name: [stages.assignment.shards[i],
-                             stages._bounds.get(i)]
+                             stages._bounds.get(i), block.inverse_form]
                 for i, block in enumerate(optimizer.blocks)}), flush=True)
 
 
