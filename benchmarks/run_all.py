@@ -275,14 +275,15 @@ def _stale_budget(step_runs):
             table, '',
             'Preconditioning (two dense products per block, every step) '
             'and the factor statistics every 10th step alone come to '
-            '{} SGD ({}): at these intervals, what subsampling leaves of '
-            'the statistics decides how close the step gets to SGD\'s. '
-            'The stale steps of the (10, 100) and (50, 50) configurations '
-            'and their subsampling variants do the same work; their medians '
-            'range from {} to {} ({:.2f}x SGD to {:.2f}x) in this run, '
-            'which is how far the machine\'s noise moves one measured '
-            'ratio.'.format(
-                floors[0], ', '.join(floors[1:]),
+            '{} SGD{}. The stale steps of the (10, 100) and (50, 50) '
+            'configurations{} do the same work; their medians range from {} '
+            'to {} ({:.2f}x SGD to {:.2f}x) in this run, which is how far '
+            'the machine\'s noise moves one measured ratio.'.format(
+                floors[0],
+                ' ({}): at these intervals, what subsampling leaves of the '
+                'statistics decides how close the step gets to SGD\'s'.format(
+                    ', '.join(floors[1:])) if floors[1:] else '',
+                ' and their subsampling variants' if floors[1:] else '',
                 harness.fmt_s(min(same_work)), harness.fmt_s(max(same_work)),
                 min(same_work) / sgd, max(same_work) / sgd), '']
 
