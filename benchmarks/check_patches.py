@@ -62,7 +62,7 @@ def main():
         with chainer.no_backprop_mode():
             model(x)
         ref = state_after_steps(model, x, t, None)
-        for pname in ('fused_finite',):
+        for pname in sorted(patches.PATCHES):
             got = state_after_steps(model, x, t, patches.PATCHES[pname]())
             errs = []
             for key, value in ref.items():

@@ -1,4 +1,4 @@
-"""Proposed changes to the library, applied at run time for A/B timing.
+"""Changes to the library, applied at run time for A/B timing.
 
 Each entry of :data:`PATCHES` builds a :class:`harness.Patch` that replaces
 methods of the library's classes while it is applied; ``step_time.py``
@@ -8,7 +8,8 @@ configurations run interleaved in one process. The numerics are the
 library's own (the tests in ``benchmarks/check_patches.py`` compare them);
 only the arithmetic's order and layout change.
 
-These are proposals for ``chainerkfac/``; the benchmark never edits it.
+These are proposals for ``chainerkfac/``, or its previous implementation of
+a lever, to measure it before and after; the benchmark never edits it.
 """
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 
@@ -44,6 +45,22 @@ def fused_finite():
         doc='isfinite(grad.sum(float64)) per parameter')
 
 
+# -- Convolution A factors by im2col and syrk everywhere -----------------------
+
+def im2col():
+    """The A factors as before :func:`shifted_gram
+    <chainerkfac.curvature.convolution_2d.shifted_gram>`: im2col and
+    ``Q Qᵀ`` for every convolution, to time that lever side by side."""
+    from chainerkfac.curvature import convolution_2d
+    from chainerkfac.curvature import kronecker
+    return harness.Patch('im2col', [
+        (convolution_2d.Convolution2DBlock, 'input_moments',
+         kronecker.KroneckerBlock.input_moments)],
+        doc='A factors of every convolution by im2col and syrk (the '
+            'previous implementation)')
+
+
 PATCHES = {
     'fused_finite': fused_finite,
+    'im2col': im2col,
 }

@@ -72,6 +72,32 @@ def test_convolution_2d_factors(stride, pad, dilate):
     numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
 
 
+@pytest.mark.parametrize('ksize,pad,nobias', [
+    (3, 1, False), ((3, 2), (0, 1), True), ((5, 3), 2, False)])
+def test_stride_1_convolution_a_factor_without_im2col(ksize, pad, nobias,
+                                                      monkeypatch):
+    # Outputs at least 4 kernel borders across: A comes from shifted sums
+    # of the input (shifted_gram), and im2col never runs.
+    rng = numpy.random.RandomState(6)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Convolution2D(2, 3, ksize, pad=pad, nobias=nobias,
+                               initial_bias=0.5)
+    link.W.array = rng.randn(*link.W.shape)
+    x = rng.randn(3, 2, 18, 12)
+    r = rng.randn(*link(x).shape)
+    patches = brute_force.conv_patches(x, link.W.shape[2:], link.stride,
+                                       link.pad, link.dilate)
+    A, _ = brute_force.kronecker_factors(patches, patches, not nobias)
+
+    def no_im2col(*args):
+        raise AssertionError('im2col ran')
+
+    monkeypatch.setattr(chainerkfac.curvature.convolution_2d
+                        .Convolution2DBlock, 'input_columns', no_im2col)
+    block = collect(link, x, r)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+
+
 @pytest.mark.parametrize('ksize,stride,pad,nobias', [
     ((3, 2), (2, 1), 1, False), (1, 1, 0, True), (1, 2, 0, False)])
 @pytest.mark.parametrize('s', [2, 3])

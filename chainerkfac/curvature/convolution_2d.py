@@ -6,10 +6,87 @@
 to the full count (Ba et al. 2017, appendix A: the A factor of a convolution
 is estimated well from a subset of its positions); this divides the work of
 the largest statistics (im2col and ``Q Qᵀ``) by about ``s²``.
+
+A stride-1 convolution on a large input skips im2col (:func:`shifted_gram`):
+the block of ``A`` for kernel taps ``t`` and ``u`` is a sum of ``x[p]
+x[p + u - t]ᵀ`` over a window of input positions ``p``, the same sum for
+every pair with the same offset ``u - t`` up to the window's border.
 """
 from chainer import backend
 
 from chainerkfac.curvature import kronecker
+
+
+def _outside(full, kept):
+    """The parts of interval ``full`` outside its sub-interval ``kept``."""
+    (lo, hi), (a, b) = full, kept
+    return [part for part in ((lo, a), (b, hi)) if part[0] < part[1]]
+
+
+def shifted_gram(x, ksize, pad):
+    """``Q Qᵀ`` for the im2col columns ``Q`` of a stride-1, dilation-1
+    convolution, without forming ``Q``.
+
+    With ``x̃`` the input (channels first), the block of taps ``t = (j,
+    i)`` and ``u = t + δ`` is ``Σ_p x̃[p] x̃[p + δ]ᵀ`` over the input
+    positions ``p`` that tap ``t`` reads, a window of the output's size
+    shifted by ``t - pad``. One product per offset ``δ`` sums over every
+    position (``kh kw`` offsets up to symmetry, against the ``(kh kw)²``
+    blocks of ``Q Qᵀ``); each pair then subtracts the rows and columns
+    outside its window, a border ``kh - 1`` and ``kw - 1`` wide, and adds
+    back their corners. The input is laid out with ``kh - 1`` zero rows and
+    ``kw - 1`` zero columns after each image, so that one flat shift by
+    ``δ`` pairs exactly the positions ``δ`` apart. For a 3x3 convolution
+    over 56 x 56 positions this is 3 times fewer operations than ``Q Qᵀ``
+    (as ``syrk``) and no 9-fold copy of the input.
+    """
+    xp = backend.get_array_module(x)
+    (kh, kw), (ph, pw) = ksize, pad
+    n, c, h, w = x.shape
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    xt = x.transpose(1, 0, 2, 3)
+    spaced = xp.zeros((c, n, h + kh - 1, w + kw - 1), dtype=x.dtype)
+    spaced[:, :, :h, :w] = xt
+    flat = spaced.reshape(c, -1)
+    length, stride = flat.shape[1], w + kw - 1
+
+    def window(rows, cols, dy, dx):
+        a = xt[:, :, rows[0]:rows[1], cols[0]:cols[1]].reshape(c, -1)
+        b = xt[:, :, rows[0] + dy:rows[1] + dy,
+               cols[0] + dx:cols[1] + dx].reshape(c, -1)
+        return a @ b.T
+
+    k = kh * kw
+    gram = xp.empty((c, k, c, k), dtype=x.dtype)
+    whole = {}
+    for t in range(k):
+        j, i = divmod(t, kw)
+        for u in range(t, k):
+            dy, dx = u // kw - j, u % kw - i
+            if (dy, dx) not in whole:
+                # u >= t makes the flat shift non-negative.
+                shift = dy * stride + dx
+                whole[dy, dx] = flat[:, :length - shift] @ flat[:, shift:].T
+            # Every position p with p and p + δ inside the input, and the
+            # window of tap t within them.
+            all_rows = (max(0, -dy), min(h, h - dy))
+            all_cols = (max(0, -dx), min(w, w - dx))
+            rows = (max(j - ph, all_rows[0]), min(j - ph + oh, all_rows[1]))
+            cols = (max(i - pw, all_cols[0]), min(i - pw + ow, all_cols[1]))
+            out_rows = _outside(all_rows, rows)
+            out_cols = _outside(all_cols, cols)
+            block = whole[dy, dx]
+            if out_rows or out_cols:
+                block = block.copy()
+            for r in out_rows:
+                block -= window(r, all_cols, dy, dx)
+            for q in out_cols:
+                block -= window(all_rows, q, dy, dx)
+                for r in out_rows:
+                    block += window(r, q, dy, dx)
+            gram[:, t, :, u] = block
+            gram[:, u, :, t] = block.T
+    return gram.reshape(c * k, c * k)
 
 
 class Convolution2DBlock(kronecker.KroneckerBlock):
@@ -41,8 +118,7 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         ``T`` positions when the block divides by the sample count.
         """
         link = self.link
-        kh, kw = (link.ksize if isinstance(link.ksize, tuple)
-                  else (link.ksize, link.ksize))
+        kh, kw = self._kernel()
         (sy, sx), (ph, pw), (dy, dx) = link.stride, link.pad, link.dilate
         s = self.spatial_subsample
         xp = backend.get_array_module(x)
@@ -66,6 +142,36 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                 cols[:, j, i] = padded[:, :, j * dy:j * dy + sy * oh:sy * s,
                                        i * dx:i * dx + sx * ow:sx * s]
         return cols.reshape(c * kh * kw, -1), samples
+
+    def _kernel(self):
+        link = self.link
+        return (link.ksize if isinstance(link.ksize, tuple)
+                else (link.ksize, link.ksize))
+
+    def input_moments(self, x, sums):
+        """:func:`shifted_gram` where it pays: stride and dilation 1, a
+        kernel larger than 1x1, every position kept, and an output at least
+        4 kernel borders across (at 7 x 7 a 3x3 convolution's border sums
+        cost as much as they save)."""
+        link = self.link
+        (kh, kw), (ph, pw) = self._kernel(), link.pad
+        n, c, h, w = x.shape
+        oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+        if not (link.stride == link.dilate == (1, 1)
+                and self.spatial_subsample == 1 and kh * kw > 1
+                and oh >= 4 * (kh - 1) and ow >= 4 * (kw - 1)):
+            return super().input_moments(x, sums)
+        row_sums = None
+        if sums:
+            # Tap (j, i) reads input rows j - ph ... j - ph + oh - 1.
+            total = x.sum(axis=0)
+            xp = backend.get_array_module(x)
+            row_sums = xp.stack([
+                total[:, max(j - ph, 0):j - ph + oh,
+                      max(i - pw, 0):i - pw + ow].sum(axis=(1, 2))
+                for j in range(kh) for i in range(kw)], axis=1).ravel()
+        return (shifted_gram(x, (kh, kw), (ph, pw)), row_sums,
+                n * oh * ow, n)
 
     def output_columns(self, gy):
         n, out = gy.shape[:2]

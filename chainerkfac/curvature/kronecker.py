@@ -47,22 +47,29 @@ class KroneckerBlock(base.FisherBlock):
         some positions are taken, which rescales ``A`` to all of them)."""
         raise NotImplementedError
 
+    def input_moments(self, x, sums):
+        """Returns ``(Q Qᵀ, Q 1 or None, columns of Q, n)`` for the ``(Q,
+        n)`` of :meth:`input_columns`; ``Q 1`` (the row sums, which the bias
+        coordinate needs) only if ``sums``."""
+        Q, n = self.input_columns(x)
+        # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
+        return Q @ Q.T, Q.sum(axis=1) if sums else None, Q.shape[1], n
+
     def output_columns(self, gy):
         """Returns ``(Q, n)``: output-gradient columns ``(out, n T)``."""
         raise NotImplementedError
 
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
-            Q, n = self.input_columns(self._kept(x))
-            xp = backend.get_array_module(Q)
-            # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
-            ww = Q @ Q.T
+            ww, sums, columns, n = self.input_moments(self._kept(x),
+                                                      self.has_bias)
+            xp = backend.get_array_module(ww)
             if self.has_bias:
                 d = ww.shape[0]
                 A = xp.empty((d + 1, d + 1), dtype=ww.dtype)
                 A[:d, :d] = ww
-                A[:d, d] = A[d, :d] = Q.sum(axis=1)
-                A[d, d] = Q.shape[1]
+                A[:d, d] = A[d, :d] = sums
+                A[d, d] = columns
             else:
                 A = ww
             self._accumulate('A', A, n)
