@@ -7,7 +7,8 @@ to the full count (Ba et al. 2017, appendix A: the A factor of a convolution
 is estimated well from a subset of its positions); this divides the work of
 the largest statistics (im2col and ``Q Qᵀ``) by about ``s²``.
 
-A stride-1 convolution on a large input skips im2col (:func:`shifted_gram`):
+A stride-1 convolution on a large input skips im2col
+(:func:`shifted_gram`):
 the block of ``A`` for kernel taps ``t`` and ``u`` is a sum of ``x[p]
 x[p + u - t]ᵀ`` over a window of input positions ``p``, the same sum for
 every pair with the same offset ``u - t`` up to the window's border.
@@ -149,7 +150,8 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                 else (link.ksize, link.ksize))
 
     def input_moments(self, x, sums):
-        """:func:`shifted_gram` where it pays: stride and dilation 1, a
+        """:func:`~chainerkfac.curvature.convolution_2d.shifted_gram` where
+        it pays: stride and dilation 1, a
         kernel larger than 1x1, every position kept, and an output at least
         4 kernel borders across (at 7 x 7 a 3x3 convolution's border sums
         cost as much as they save)."""
