@@ -8,7 +8,9 @@ per step at ``--batch``:
 * forward+backward: 3 x the forward's multiply-adds x 2 (convolutions and
   Linear layers only; BatchNorm and ReLU are memory-bound, not counted);
 * A factor: ``2 n T d_A^2`` as a GEMM (``n T d_A^2`` as the ``syrk`` NumPy
-  uses for ``Q @ Q.T``), T output positions, ``d_A = c kh kw (+1)``;
+  uses for ``Q @ Q.T``), T output positions, ``d_A = c kh kw (+1)``; as
+  computed, a convolution where ``shifted_gram_pays`` counts the products
+  of ``shifted_gram`` instead (:func:`shifted_gram_flops`);
 * G factor: ``2 n T d_G^2`` (``syrk``: half);
 * inverses: ``d_A^3 + d_G^3`` (Cholesky ``potrf`` + ``potri``);
 * preconditioning: ``2 d_G d_A (d_A + d_G)`` (two GEMMs).
@@ -25,6 +27,30 @@ import chainer.links as L
 import numpy
 
 import models as models_module
+from chainerkfac.curvature import convolution_2d
+
+
+def shifted_gram_flops(n, c, h, w, ksize, pad):
+    """Flops of ``convolution_2d.shifted_gram`` on an ``(n, c, h, w)``
+    input: one product per offset over the spaced-out input (``syrk`` for
+    the zero offset) and one per border window of every tap pair."""
+    kh, kw = ksize
+    length = n * (h + kh - 1) * (w + kw - 1)
+    stride = w + kw - 1
+    total, seen = 0, set()
+    for _, _, (dy, dx), rows, cols, out_rows, out_cols in \
+            convolution_2d.tap_pairs(h, w, ksize, pad):
+        if (dy, dx) not in seen:
+            seen.add((dy, dx))
+            shift = dy * stride + dx
+            total += c * c * length if shift == 0 else \
+                2 * c * c * (length - shift)
+        windows = ([(r, cols) for r in out_rows]
+                   + [(rows, q) for q in out_cols]
+                   + [(r, q) for r in out_rows for q in out_cols])
+        total += sum(2 * c * c * n * (r[1] - r[0]) * (q[1] - q[0])
+                     for r, q in windows)
+    return total
 
 
 class _Shapes(chainer.LinkHook):
@@ -43,8 +69,14 @@ class _Shapes(chainer.LinkHook):
                                               is not None)
             d_g = W.shape[0]
             T = int(numpy.prod(y.shape[2:])) if y.ndim > 2 else 1
+            shifted = None
+            if isinstance(link, L.Convolution2D) and \
+                    convolution_2d.shifted_gram_pays(link, x.shape):
+                k = link.ksize
+                shifted = (x.shape[1:], k if isinstance(k, tuple) else (k, k),
+                           link.pad)
             self.rows.append({'kind': type(link).__name__, 'd_A': d_a,
-                              'd_G': d_g, 'T': T,
+                              'd_G': d_g, 'T': T, 'shifted': shifted,
                               'macs_per_sample': T * (W.size // W.shape[0])
                               * d_g})
             del x
@@ -63,6 +95,10 @@ def flop_model(model_name='resnet50', batch=32):
     conv = [r for r in hook.rows if r['kind'] == 'Convolution2D']
     a_gemm = sum(2 * n * r['T'] * r['d_A'] ** 2 for r in hook.rows)
     a_conv = sum(2 * n * r['T'] * r['d_A'] ** 2 for r in conv)
+    a_computed = sum(
+        shifted_gram_flops(n, *r['shifted'][0], r['shifted'][1],
+                           r['shifted'][2]) if r['shifted']
+        else n * r['T'] * r['d_A'] ** 2 for r in hook.rows)
     g_gemm = sum(2 * n * r['T'] * r['d_G'] ** 2 for r in hook.rows)
     inv = sum(r['d_A'] ** 3 + r['d_G'] ** 3 for r in hook.rows)
     pre = sum(2 * r['d_G'] * r['d_A'] * (r['d_A'] + r['d_G'])
@@ -74,6 +110,8 @@ def flop_model(model_name='resnet50', batch=32):
             'A factors (GEMM)': a_gemm / fb,
             'A factors, conv only (GEMM)': a_conv / fb,
             'A factors (syrk, as NumPy runs Q @ Q.T)': a_gemm / 2 / fb,
+            'A factors as computed (shifted products, else syrk)':
+                a_computed / fb,
             'G factors (GEMM)': g_gemm / fb,
             'G factors (syrk)': g_gemm / 2 / fb,
             'inverses (potrf + potri)': inv / fb,
@@ -92,7 +130,7 @@ def main():
     print('{} batch {}: forward+backward {:.0f} GFLOP'.format(
         m['model'], m['batch'], m['forward_backward_gflop']))
     for k, v in m['relative'].items():
-        print('  {:45s} {:.3f}'.format(k, v))
+        print('  {:52s} {:.3f}'.format(k, v))
 
 
 if __name__ == '__main__':

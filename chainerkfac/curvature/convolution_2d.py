@@ -24,6 +24,46 @@ def _outside(full, kept):
     return [part for part in ((lo, a), (b, hi)) if part[0] < part[1]]
 
 
+def _kernel(link):
+    return (link.ksize if isinstance(link.ksize, tuple)
+            else (link.ksize, link.ksize))
+
+
+def shifted_gram_pays(link, shape, spatial_subsample=1):
+    """Whether the ``A`` of ``link`` on inputs of ``shape`` comes from
+    :func:`shifted_gram`: stride and dilation 1, a kernel larger than 1x1,
+    every position kept, and an output at least 4 kernel borders across (at
+    7 x 7 a 3x3 convolution's border sums cost as much as they save)."""
+    (kh, kw), (ph, pw) = _kernel(link), link.pad
+    h, w = shape[2:]
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    return (link.stride == link.dilate == (1, 1) and spatial_subsample == 1
+            and kh * kw > 1 and oh >= 4 * (kh - 1) and ow >= 4 * (kw - 1))
+
+
+def tap_pairs(h, w, ksize, pad):
+    """The geometry of :func:`shifted_gram` on an ``h x w`` input.
+
+    Yields ``(t, u, (dy, dx), rows, cols, out_rows, out_cols)`` for every
+    pair of kernel taps ``t <= u`` (row-major), with ``δ = (dy, dx)`` their
+    offset, ``rows`` and ``cols`` the input positions ``p`` with ``p`` and
+    ``p + δ`` inside the input, and ``out_rows`` and ``out_cols`` the parts
+    of those outside tap ``t``'s window (at most two each).
+    """
+    (kh, kw), (ph, pw) = ksize, pad
+    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    for t in range(kh * kw):
+        j, i = divmod(t, kw)
+        for u in range(t, kh * kw):
+            dy, dx = u // kw - j, u % kw - i
+            all_rows = (max(0, -dy), min(h, h - dy))
+            all_cols = (max(0, -dx), min(w, w - dx))
+            rows = (max(j - ph, all_rows[0]), min(j - ph + oh, all_rows[1]))
+            cols = (max(i - pw, all_cols[0]), min(i - pw + ow, all_cols[1]))
+            yield (t, u, (dy, dx), all_rows, all_cols,
+                   _outside(all_rows, rows), _outside(all_cols, cols))
+
+
 def shifted_gram(x, ksize, pad):
     """``Q Qᵀ`` for the im2col columns ``Q`` of a stride-1, dilation-1
     convolution, without forming ``Q``.
@@ -35,16 +75,15 @@ def shifted_gram(x, ksize, pad):
     position (``kh kw`` offsets up to symmetry, against the ``(kh kw)²``
     blocks of ``Q Qᵀ``); each pair then subtracts the rows and columns
     outside its window, a border ``kh - 1`` and ``kw - 1`` wide, and adds
-    back their corners. The input is laid out with ``kh - 1`` zero rows and
-    ``kw - 1`` zero columns after each image, so that one flat shift by
-    ``δ`` pairs exactly the positions ``δ`` apart. For a 3x3 convolution
-    over 56 x 56 positions this is 3 times fewer operations than ``Q Qᵀ``
-    (as ``syrk``) and no 9-fold copy of the input.
+    back their corners (:func:`tap_pairs`). The input is laid out with
+    ``kh - 1`` zero rows and ``kw - 1`` zero columns after each image, so
+    that one flat shift by ``δ`` pairs exactly the positions ``δ`` apart.
+    For a 3x3 convolution over 56 x 56 positions this is 3 times fewer
+    operations than ``Q Qᵀ`` (as ``syrk``) and no 9-fold copy of the input.
     """
     xp = backend.get_array_module(x)
-    (kh, kw), (ph, pw) = ksize, pad
+    (kh, kw) = ksize
     n, c, h, w = x.shape
-    oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
     xt = x.transpose(1, 0, 2, 3)
     spaced = xp.zeros((c, n, h + kh - 1, w + kw - 1), dtype=x.dtype)
     spaced[:, :, :h, :w] = xt
@@ -60,33 +99,23 @@ def shifted_gram(x, ksize, pad):
     k = kh * kw
     gram = xp.empty((c, k, c, k), dtype=x.dtype)
     whole = {}
-    for t in range(k):
-        j, i = divmod(t, kw)
-        for u in range(t, k):
-            dy, dx = u // kw - j, u % kw - i
-            if (dy, dx) not in whole:
-                # u >= t makes the flat shift non-negative.
-                shift = dy * stride + dx
-                whole[dy, dx] = flat[:, :length - shift] @ flat[:, shift:].T
-            # Every position p with p and p + δ inside the input, and the
-            # window of tap t within them.
-            all_rows = (max(0, -dy), min(h, h - dy))
-            all_cols = (max(0, -dx), min(w, w - dx))
-            rows = (max(j - ph, all_rows[0]), min(j - ph + oh, all_rows[1]))
-            cols = (max(i - pw, all_cols[0]), min(i - pw + ow, all_cols[1]))
-            out_rows = _outside(all_rows, rows)
-            out_cols = _outside(all_cols, cols)
-            block = whole[dy, dx]
-            if out_rows or out_cols:
-                block = block.copy()
+    for t, u, (dy, dx), all_rows, all_cols, out_rows, out_cols in \
+            tap_pairs(h, w, ksize, pad):
+        if (dy, dx) not in whole:
+            # u >= t makes the flat shift non-negative.
+            shift = dy * stride + dx
+            whole[dy, dx] = flat[:, :length - shift] @ flat[:, shift:].T
+        block = whole[dy, dx]
+        if out_rows or out_cols:
+            block = block.copy()
+        for r in out_rows:
+            block -= window(r, all_cols, dy, dx)
+        for q in out_cols:
+            block -= window(all_rows, q, dy, dx)
             for r in out_rows:
-                block -= window(r, all_cols, dy, dx)
-            for q in out_cols:
-                block -= window(all_rows, q, dy, dx)
-                for r in out_rows:
-                    block += window(r, q, dy, dx)
-            gram[:, t, :, u] = block
-            gram[:, u, :, t] = block.T
+                block += window(r, q, dy, dx)
+        gram[:, t, :, u] = block
+        gram[:, u, :, t] = block.T
     return gram.reshape(c * k, c * k)
 
 
@@ -119,7 +148,7 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         ``T`` positions when the block divides by the sample count.
         """
         link = self.link
-        kh, kw = self._kernel()
+        kh, kw = _kernel(link)
         (sy, sx), (ph, pw), (dy, dx) = link.stride, link.pad, link.dilate
         s = self.spatial_subsample
         xp = backend.get_array_module(x)
@@ -144,25 +173,16 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                                        i * dx:i * dx + sx * ow:sx * s]
         return cols.reshape(c * kh * kw, -1), samples
 
-    def _kernel(self):
-        link = self.link
-        return (link.ksize if isinstance(link.ksize, tuple)
-                else (link.ksize, link.ksize))
-
     def input_moments(self, x, sums):
         """:func:`~chainerkfac.curvature.convolution_2d.shifted_gram` where
-        it pays: stride and dilation 1, a
-        kernel larger than 1x1, every position kept, and an output at least
-        4 kernel borders across (at 7 x 7 a 3x3 convolution's border sums
-        cost as much as they save)."""
+        :func:`~chainerkfac.curvature.convolution_2d.shifted_gram_pays`,
+        else im2col columns."""
         link = self.link
-        (kh, kw), (ph, pw) = self._kernel(), link.pad
+        if not shifted_gram_pays(link, x.shape, self.spatial_subsample):
+            return super().input_moments(x, sums)
+        (kh, kw), (ph, pw) = _kernel(link), link.pad
         n, c, h, w = x.shape
         oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
-        if not (link.stride == link.dilate == (1, 1)
-                and self.spatial_subsample == 1 and kh * kw > 1
-                and oh >= 4 * (kh - 1) and ow >= 4 * (kw - 1)):
-            return super().input_moments(x, sums)
         row_sums = None
         if sums:
             # Tap (j, i) reads input rows j - ph ... j - ph + oh - 1.
