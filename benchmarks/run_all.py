@@ -112,11 +112,11 @@ def _env_line(payload):
         b.get('internal_api'), b.get('num_threads')) for b in blas}))
     load_avg = env.get('load_average')
     return ('Python {}, NumPy {}, Chainer {}, {} CPUs ({}); load average '
-            'at the start {}.'.format(
+            'at the start {}; glibc malloc: {}.'.format(
                 env.get('python'), env.get('numpy'), env.get('chainer'),
                 env.get('cpus'), threads or 'BLAS unknown',
                 ', '.join('{:.1f}'.format(v) for v in load_avg)
-                if load_avg else 'unknown'))
+                if load_avg else 'unknown', _allocator(payload)))
 
 
 #: The peer figures the issue quotes (kfac-pytorch/KAISA on this machine).
@@ -136,16 +136,30 @@ def _verdict(ok):
     return '-' if ok is None else ('yes' if ok else '**no**')
 
 
-def _targets_section(step_runs, peer, dist, tta):
-    """One row per target of issue #5, measured values from the JSON."""
-    rows = []
-    # Of several runs of a model, the one with the most timed rounds.
+def _allocator(run):
+    return run.get('environment', {}).get('allocator', {}).get(
+        'glibc', 'default')
+
+
+def _reference_runs(step_runs):
+    """model -> the entry the targets read: of the runs with glibc's
+    default allocator (as the issue measured), the one with the most timed
+    rounds."""
     models = {}
     for run in step_runs:
+        if _allocator(run) != 'default':
+            continue
         for model, entry in run.get('models', {}).items():
             if entry['info']['steps'] > models.get(
                     model, {'info': {'steps': 0}})['info']['steps']:
                 models[model] = entry
+    return models
+
+
+def _targets_section(step_runs, peer, dist, tta):
+    """One row per target of issue #5, measured values from the JSON."""
+    rows = []
+    models = _reference_runs(step_runs)
     for model in ('resnet50', 'resnet50_w4'):
         for config, limit in STEP_TARGETS.items():
             # The subsampling variants, where they ran, beside the
@@ -225,13 +239,11 @@ def _targets_section(step_runs, peer, dist, tta):
 
 def _stale_budget(step_runs):
     """Where the (10, 100) step of ResNet-50 224x224 spends its time beyond
-    SGD's, from the run that timed it: the parts the amortised ratio adds."""
-    res = None
-    for run in step_runs:
-        entry = run.get('models', {}).get('resnet50')
-        if entry and 'kfac_10_100' in entry['results']:
-            res = entry['results']
-    if res is None or 'sgd' not in res:
+    SGD's, from the run the targets read: the parts the amortised ratio
+    adds."""
+    entry = _reference_runs(step_runs).get('resnet50')
+    res = entry['results'] if entry else {}
+    if 'kfac_10_100' not in res or 'sgd' not in res:
         return []
     sgd = res['sgd']['all']['median']
     stale = res['kfac_10_100']['stages_median'].get('stale')
@@ -288,6 +300,65 @@ def _stale_budget(step_runs):
                 min(same_work) / sgd, max(same_work) / sgd), '']
 
 
+def _backward_excess(entry):
+    """How much longer the backward pass of a refresh step of ``kfac_1``
+    (hooks excluded) is than SGD's, medians."""
+    res = entry['results']
+    try:
+        return harness.fmt_s(
+            res['kfac_1']['stages_median']['refresh']['backward']
+            - res['sgd']['stages_median']['sgd']['backward'])
+    except KeyError:
+        return '-'
+
+
+def _allocator_section(step_runs):
+    """ResNet-50 224x224 with glibc's default allocator (the run the
+    targets read) beside the latest run whose glibc kept freed memory."""
+    default = _reference_runs(step_runs).get('resnet50')
+    kept = [run['models']['resnet50'] for run in step_runs
+            if _allocator(run) != 'default' and 'resnet50' in run.get(
+                'models', {})]
+    if not default or not kept:
+        return []
+    kept = kept[-1]
+    rows = []
+    for config in kept['results']:
+        a, b = default['results'].get(config), kept['results'][config]
+        if a is None:
+            continue
+        step = (lambda r: r['all']['median']) if config == 'sgd' else \
+            (lambda r: r['amortised'])
+        rows.append([config, harness.fmt_s(step(a)), harness.fmt_s(step(b)),
+                     '-' if config == 'sgd' else '{:.2f}x'.format(
+                         a['amortised_ratio']),
+                     '-' if config == 'sgd' else '{:.2f}x'.format(
+                         b['amortised_ratio'])])
+    return [
+        '## Fresh memory on this machine', '',
+        'glibc\'s malloc maps every array over 32 MiB afresh and returns it '
+        'to the system when freed, so each step faults its large arrays in '
+        'again; on this virtual machine a first touch of 100 MiB took 250 '
+        'to 350 ms, against 4 to 15 ms to rewrite mapped memory. '
+        '`step_time.py '
+        '--keep-freed-memory` has glibc keep freed memory in its heap '
+        '(`mallopt`: `M_MMAP_MAX` 0, `M_TRIM_THRESHOLD` 2 GiB; the same as '
+        'the environment variables `MALLOC_MMAP_MAX_=0 '
+        'MALLOC_TRIM_THRESHOLD_=2147483647`). SGD\'s step gets {:.0%} '
+        'faster, and K-FAC\'s extra work gets faster too (its statistics '
+        'allocate large arrays, and under the default allocator they also '
+        'slow the backward pass that follows: `kfac_1`\'s backward exceeds '
+        'SGD\'s by {} with the default allocator, by {} with freed memory '
+        'kept), so the ratios move by a few hundredths. The targets read the default allocator, as the issue '
+        'measured. ResNet-50 224x224, median step (SGD) and amortised step '
+        '(K-FAC), each ratio over the SGD step of its own run:'.format(
+            1 - kept['results']['sgd']['all']['median']
+            / default['results']['sgd']['all']['median']),
+            *(_backward_excess(e) for e in (default, kept))), '',
+        harness.table(rows, ['config', 'default', 'freed memory kept',
+                             'ratio, default', 'ratio, kept']), '']
+
+
 def _flop_section(step_runs):
     import flops
     lines = []
@@ -302,10 +373,13 @@ def _flop_section(step_runs):
     lines += ['', 'The issue counted the inverses as 0.19: `potrf` alone '
               '(d^3/3); `potrf` + `potri` is d^3. NumPy runs `P.T @ P` and '
               '`Q @ Q.T` as `syrk`, so the A and G factors cost half their '
-              'GEMM count.', '']
+              'GEMM count. As computed, the A factors of stride-1 3x3 '
+              'convolutions on 14x14 inputs and larger come from shifted '
+              'products (`convolution_2d.shifted_gram`), which the row "as '
+              'computed" counts.', '']
     measured = []
-    for model, entry in [item for run in step_runs
-                         for item in run.get('models', {}).items()]:
+    for run, model, entry in [(run,) + item for run in step_runs
+                              for item in run.get('models', {}).items()]:
         res = entry['results']
         sgd = res.get('sgd', {}).get('stages', {}).get('sgd')
         ref = res.get('kfac_1', {}).get('fine', {}).get('refresh')
@@ -313,7 +387,8 @@ def _flop_section(step_runs):
             continue
         fb = sgd['forward'] + sgd['backward']
         measured.append([
-            model, harness.fmt_s(fb),
+            model if _allocator(run) == 'default'
+            else model + ' (malloc keeps freed memory)', harness.fmt_s(fb),
             '{:.2f}'.format(ref.get('stats_forward', 0) / fb),
             '{:.2f}'.format(ref.get('stats_backward', 0) / fb),
             '{:.2f}'.format((ref.get('stats_take', 0)
@@ -368,7 +443,7 @@ def write_doc(full):
               'Each row reads the JSON of the section that measured it '
               '(step-time ratios are amortised over the schedule, see '
               'below, from the run of each model with the most timed '
-              'rounds).', '']
+              'rounds under glibc\'s default allocator).', '']
     lines += _targets_section(step_runs, peer, dist, tta) + ['']
     if dist:
         lines += [
@@ -448,6 +523,7 @@ def write_doc(full):
                                         entry['results'],
                                         list(entry['results']))
                 lines += [text.replace('### ', '#### ', 1), '']
+    lines += _allocator_section(step_runs)
     lines += ['## Flop model (issue #5), updated', '']
     lines += _flop_section(step_runs)
     if peer:

@@ -424,9 +424,14 @@ def main(argv=None):
                         help='small models, few steps: a few minutes')
     parser.add_argument('--threads', type=int, default=None,
                         help='BLAS threads (threadpoolctl); default: as is')
+    parser.add_argument('--keep-freed-memory', action='store_true',
+                        help='glibc keeps freed memory for reuse instead of '
+                        'returning it (fresh pages are slow to fault in)')
     parser.add_argument('--out', default='step_time.json')
     args = parser.parse_args(argv)
     harness.limit_threads(args.threads)
+    if args.keep_freed_memory:
+        harness.keep_freed_memory()
 
     if args.quick:
         model_names = args.models or 'small_cnn,resnet50_w4,mlp'
