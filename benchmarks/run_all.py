@@ -237,6 +237,30 @@ def _targets_section(step_runs, peer, dist, tta):
     return [harness.table(rows, ['target', 'wanted', 'measured', 'met'])]
 
 
+def _stale_spread(step_runs, model):
+    """How far apart the stale steps of one run lie: every stale step
+    preconditions the same blocks (subsampling only shrinks statistics),
+    so their spread is the machine's noise."""
+    entry = _reference_runs(step_runs).get(model)
+    if not entry or 'sgd' not in entry['results']:
+        return []
+    res = entry['results']
+    stale = {c: r['kinds']['stale']['median'] for c, r in res.items()
+             if 'stale' in r.get('kinds', {})}
+    if len(stale) < 2:
+        return []
+    sgd = res['sgd']['all']['median']
+    lo, hi = min(stale, key=stale.get), max(stale, key=stale.get)
+    return ['{}: the stale steps of {} do the same work, preconditioning '
+            'only; in the run the targets read their medians range from {} '
+            '(`{}`, {:.2f}x SGD) to {} (`{}`, {:.2f}x), {} timed rounds.'
+            .format(entry['info']['description'],
+                    ', '.join('`{}`'.format(c) for c in stale),
+                    harness.fmt_s(stale[lo]), lo, stale[lo] / sgd,
+                    harness.fmt_s(stale[hi]), hi, stale[hi] / sgd,
+                    entry['info']['steps']), '']
+
+
 def _stale_budget(step_runs):
     """Where the (10, 100) step of ResNet-50 224x224 spends its time beyond
     SGD's, from the run the targets read: the parts the amortised ratio
@@ -349,11 +373,12 @@ def _allocator_section(step_runs):
         'allocate large arrays, and under the default allocator they also '
         'slow the backward pass that follows: `kfac_1`\'s backward exceeds '
         'SGD\'s by {} with the default allocator, by {} with freed memory '
-        'kept), so the ratios move by a few hundredths. The targets read the default allocator, as the issue '
-        'measured. ResNet-50 224x224, median step (SGD) and amortised step '
-        '(K-FAC), each ratio over the SGD step of its own run:'.format(
+        'kept), so the ratios move by a few hundredths. The targets read '
+        'the default allocator, as the issue measured. ResNet-50 224x224, '
+        'median step (SGD) and amortised step (K-FAC), each ratio over the '
+        'SGD step of its own run:'.format(
             1 - kept['results']['sgd']['all']['median']
-            / default['results']['sgd']['all']['median']),
+            / default['results']['sgd']['all']['median'],
             *(_backward_excess(e) for e in (default, kept))), '',
         harness.table(rows, ['config', 'default', 'freed memory kept',
                              'ratio, default', 'ratio, kept']), '']
@@ -473,6 +498,7 @@ def write_doc(full):
                 dist['imbalance']['table']['0.1@{}'.format(n)]['split_floor']
                 for n in (32, 64))), '']
     lines += _stale_budget(step_runs)
+    lines += _stale_spread(step_runs, 'resnet50_w4')
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
                   'Command: `{}`'.format(command_of('step_time', step)), '',
