@@ -1,6 +1,12 @@
 """The flop model of issue #5: K-FAC's work relative to forward+backward.
 
     PYTHONPATH=. .venv/bin/python benchmarks/flops.py [--model resnet50]
+    PYTHONPATH=. .venv/bin/python benchmarks/flops.py --inversions
+
+``--inversions`` also times the damped inverse of one random float32 factor
+of every size the model has (``linalg.damped_inverse``, best of 3) and
+writes ``results/inversions.json``: what the small factors cost together is
+what batching their inversions could save at most.
 
 Shapes come from one forward pass at batch 1 with a link hook; counts are
 per step at ``--batch``:
@@ -22,12 +28,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import chainerkfac  # NOQA
+import time
+
 import chainer
 import chainer.links as L
 import numpy
 
+import harness
 import models as models_module
+from chainerkfac import linalg
 from chainerkfac.curvature import convolution_2d
+
+#: Factors up to this dimension count as small.
+SMALL = 256
 
 
 def shifted_gram_flops(n, c, h, w, ksize, pad):
@@ -82,7 +95,8 @@ class _Shapes(chainer.LinkHook):
             del x
 
 
-def flop_model(model_name='resnet50', batch=32):
+def layer_shapes(model_name):
+    """One row per Linear or Convolution2D layer of the model."""
     factory, in_shape, _ = models_module.MODELS[model_name]
     model = factory()
     hook = _Shapes()
@@ -90,6 +104,37 @@ def flop_model(model_name='resnet50', batch=32):
     with hook, chainer.using_config('train', False), \
             chainer.no_backprop_mode():
         model(x)
+    return hook
+
+
+def inversion_times(model_name='resnet50', seed=0):
+    """Seconds of ``linalg.damped_inverse`` per factor size of the model."""
+    rows = layer_shapes(model_name).rows
+    dims = [r[k] for r in rows for k in ('d_A', 'd_G')]
+    rng = numpy.random.RandomState(seed)
+    sizes = {}
+    for d in sorted(set(dims)):
+        X = rng.standard_normal((d, 2 * d)).astype(numpy.float32)
+        M = X @ X.T / (2 * d)
+        best = float('inf')
+        for _ in range(3):
+            t0 = time.perf_counter()
+            linalg.damped_inverse(M, 1e-3)
+            best = min(best, time.perf_counter() - t0)
+        sizes[d] = {'count': dims.count(d), 'seconds': best}
+    small = [d for d in sizes if d <= SMALL]
+    return {
+        'model': model_name, 'factors': len(dims), 'small_max_dim': SMALL,
+        'small_factors': sum(sizes[d]['count'] for d in small),
+        'total_seconds': sum(v['count'] * v['seconds']
+                             for v in sizes.values()),
+        'small_seconds': sum(sizes[d]['count'] * sizes[d]['seconds']
+                             for d in small),
+        'sizes': sizes, 'environment': harness.environment()}
+
+
+def flop_model(model_name='resnet50', batch=32):
+    hook = layer_shapes(model_name)
     n = batch
     fb = sum(6 * n * r['macs_per_sample'] for r in hook.rows)
     conv = [r for r in hook.rows if r['kind'] == 'Convolution2D']
@@ -125,12 +170,22 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--model', default='resnet50')
     parser.add_argument('--batch', type=int, default=32)
+    parser.add_argument('--inversions', action='store_true',
+                        help='also time the inverses (results/'
+                        'inversions.json)')
     args = parser.parse_args()
     m = flop_model(args.model, args.batch)
     print('{} batch {}: forward+backward {:.0f} GFLOP'.format(
         m['model'], m['batch'], m['forward_backward_gflop']))
     for k, v in m['relative'].items():
         print('  {:52s} {:.3f}'.format(k, v))
+    if args.inversions:
+        inv = inversion_times(args.model)
+        print('inverses of all {} factors: {}; the {} of dimension <= {}: '
+              '{}'.format(inv['factors'], harness.fmt_s(inv['total_seconds']),
+                          inv['small_factors'], SMALL,
+                          harness.fmt_s(inv['small_seconds'])))
+        print('written', harness.write_json('inversions.json', inv))
 
 
 if __name__ == '__main__':

@@ -402,6 +402,21 @@ def _flop_section(step_runs):
               'convolutions on 14x14 inputs and larger come from shifted '
               'products (`convolution_2d.shifted_gram`), which the row "as '
               'computed" counts.', '']
+    inv = load('inversions')
+    if inv:
+        lines += ['Batching small inversions (a lever the issue lists): of '
+                  'the {} Kronecker factors of {}, the {} of dimension {} or less '
+                  'take {} together, against {} for all explicit inverses '
+                  '(one float32 factor of each size timed, best of 3: '
+                  '`{}flops.py --inversions`). One batched call could save '
+                  'at most those {}, so every factor keeps its own LAPACK '
+                  'call on the CPU. On a GPU, where every call also pays a '
+                  'launch, batching may pay; not measured here.'.format(
+                      inv['factors'], inv['model'], inv['small_factors'],
+                      inv['small_max_dim'],
+                      harness.fmt_s(inv['small_seconds']),
+                      harness.fmt_s(inv['total_seconds']), PREFIX,
+                      harness.fmt_s(inv['small_seconds'])), '']
     measured = []
     for run, model, entry in [(run,) + item for run in step_runs
                               for item in run.get('models', {}).items()]:
