@@ -369,11 +369,11 @@ def _allocator_section(step_runs):
         '(`mallopt`: `M_MMAP_MAX` 0, `M_TRIM_THRESHOLD` 2 GiB; the same as '
         'the environment variables `MALLOC_MMAP_MAX_=0 '
         'MALLOC_TRIM_THRESHOLD_=2147483647`). SGD\'s step gets {:.0%} '
-        'faster, and K-FAC\'s extra work gets faster too (its statistics '
+        'faster, and K-FAC\'s extra work faster still (its statistics '
         'allocate large arrays, and under the default allocator they also '
         'slow the backward pass that follows: `kfac_1`\'s backward exceeds '
         'SGD\'s by {} with the default allocator, by {} with freed memory '
-        'kept), so the ratios move by a few hundredths. The targets read '
+        'kept). The targets read '
         'the default allocator, as the issue measured. ResNet-50 224x224, '
         'median step (SGD) and amortised step (K-FAC), each ratio over the '
         'SGD step of its own run:'.format(
