@@ -387,8 +387,8 @@ def keep_freed_memory():
     By default glibc maps every allocation over 32 MiB afresh and unmaps it
     when freed, and returns free memory at the top of its heap to the
     system, so the next step's arrays are fresh pages again, which cost
-    time to fault in (on a virtual machine, many times what rewriting
-    mapped memory costs). With ``M_MMAP_MAX = 0`` and a 2 GiB ``M_TRIM_THRESHOLD``,
+    time to fault in (on a virtual machine that hands free pages back to
+    its hypervisor, about ten times what rewriting mapped memory costs). With ``M_MMAP_MAX = 0`` and a 2 GiB ``M_TRIM_THRESHOLD``,
     freed memory stays in the heap for the next step instead.
     """
     import ctypes
