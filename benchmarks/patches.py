@@ -60,7 +60,23 @@ def im2col():
             'previous implementation)')
 
 
+# -- Kronecker factors from the whole batch's columns at once -------------------
+
+def whole_batch():
+    """Every ``Q Qᵀ`` over the whole batch's columns, as before
+    :func:`sample_chunks <chainerkfac.curvature.kronecker.sample_chunks>`:
+    one copy of the batch for each 1x1 convolution's ``A`` and every
+    convolution's ``G``."""
+    from chainerkfac.curvature import kronecker
+    return harness.Patch('whole_batch', [
+        (kronecker, 'sample_chunks',
+         lambda n, dim, positions: [slice(0, n)])],
+        doc='Kronecker factors from the columns of the whole batch at '
+            'once (the previous implementation)')
+
+
 PATCHES = {
     'fused_finite': fused_finite,
     'im2col': im2col,
+    'whole_batch': whole_batch,
 }

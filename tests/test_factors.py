@@ -72,6 +72,22 @@ def test_convolution_2d_factors(stride, pad, dilate):
     numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
 
 
+@pytest.mark.parametrize('n,dim,positions,sizes', [
+    (32, 2048, 49, [32]),          # few positions: one product
+    (32, 256, 3136, [1] * 32),     # 1x1 convolution at 56x56
+    (32, 512, 784, [3] * 10 + [2]),
+    (7, 4, 5, [4, 3]),
+    (4, 12, 25, [2, 2]),           # test_convolution_2d_factors' A
+])
+def test_sample_chunks(n, dim, positions, sizes):
+    # Consecutive slices covering the batch, each of about the fewest
+    # samples whose columns number 4 dim or more.
+    chunks = chainerkfac.curvature.kronecker.sample_chunks(n, dim, positions)
+    assert [c.stop - c.start for c in chunks] == sizes
+    assert chunks[0].start == 0 and chunks[-1].stop == n
+    assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))
+
+
 @pytest.mark.parametrize('ksize,pad,nobias', [
     (3, 1, False), ((3, 2), (0, 1), True), ((5, 3), 2, False)])
 def test_stride_1_convolution_a_factor_without_im2col(ksize, pad, nobias,

@@ -137,6 +137,22 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
             return 'groups={} (grouped convolution)'.format(link.groups)
         return None
 
+    def _output_size(self, shape):
+        """``(oh, ow)`` and the rows and columns of it that
+        ``spatial_subsample`` keeps."""
+        link = self.link
+        kh, kw = _kernel(link)
+        (sy, sx), (ph, pw), (dy, dx) = link.stride, link.pad, link.dilate
+        h, w = shape[2:]
+        oh = (h + 2 * ph - dy * (kh - 1) - 1) // sy + 1
+        ow = (w + 2 * pw - dx * (kw - 1) - 1) // sx + 1
+        s = self.spatial_subsample
+        return (oh, ow), (-(-oh // s), -(-ow // s))
+
+    def input_positions(self, x):
+        kept_h, kept_w = self._output_size(x.shape)[1]
+        return kept_h * kept_w
+
     def input_columns(self, x):
         """im2col written straight into ``(c kh kw, n oh ow)`` columns.
 
@@ -153,9 +169,7 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         s = self.spatial_subsample
         xp = backend.get_array_module(x)
         n, c, h, w = x.shape
-        oh = (h + 2 * ph - dy * (kh - 1) - 1) // sy + 1
-        ow = (w + 2 * pw - dx * (kw - 1) - 1) // sx + 1
-        kept_h, kept_w = -(-oh // s), -(-ow // s)
+        (oh, ow), (kept_h, kept_w) = self._output_size(x.shape)
         samples = n * (kept_h * kept_w) / (oh * ow) if s > 1 else n
         xt = x.transpose(1, 0, 2, 3)
         if kh == kw == 1 and ph == pw == 0:
@@ -181,8 +195,8 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         if not shifted_gram_pays(link, x.shape, self.spatial_subsample):
             return super().input_moments(x, sums)
         (kh, kw), (ph, pw) = _kernel(link), link.pad
-        n, c, h, w = x.shape
-        oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+        n = len(x)
+        (oh, ow), _ = self._output_size(x.shape)
         row_sums = None
         if sums:
             # Tap (j, i) reads input rows j - ph ... j - ph + oh - 1.

@@ -23,6 +23,30 @@ from chainerkfac import linalg
 from chainerkfac.curvature import base
 
 
+def sample_chunks(n, dim, positions):
+    """Slices of a batch of ``n`` samples whose ``Q Qᵀ`` are summed.
+
+    A sample adds ``positions`` columns of length ``dim``. Each chunk holds
+    about the fewest samples ``m`` with ``m T >= 4 d``: a product over that
+    many columns is still a large ``syrk``, and adding up the ``d x d``
+    products costs less than a quarter of them. Where samples have many
+    positions (a convolution on a large input), the columns are then formed
+    a few samples at a time instead of as one copy of the whole batch,
+    which for a 1x1 convolution is no copy at all; otherwise the batch is
+    one chunk.
+    """
+    m = max(1, -(-4 * dim // max(positions, 1)))
+    m = -(-n // -(-n // m))  # even the chunks out
+    return [slice(i, min(i + m, n)) for i in range(0, n, m)]
+
+
+def _add(total, value):
+    if total is None:
+        return value
+    total += value
+    return total
+
+
 class KroneckerBlock(base.FisherBlock):
     """A ``(A, G)`` block; ``∇W̄ = [W | b]`` as an ``(out, in)`` matrix."""
 
@@ -47,13 +71,36 @@ class KroneckerBlock(base.FisherBlock):
         some positions are taken, which rescales ``A`` to all of them)."""
         raise NotImplementedError
 
+    def input_positions(self, x):
+        """The number of columns one sample of ``x`` adds in
+        :meth:`input_columns` (``T``)."""
+        W = self.link.W
+        return x[0].size // (W.size // W.shape[0])
+
     def input_moments(self, x, sums):
         """Returns ``(Q Qᵀ, Q 1 or None, columns of Q, n)`` for the ``(Q,
         n)`` of :meth:`input_columns`; ``Q 1`` (the row sums, which the bias
         coordinate needs) only if ``sums``."""
-        Q, n = self.input_columns(x)
-        # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
-        return Q @ Q.T, Q.sum(axis=1) if sums else None, Q.shape[1], n
+        W = self.link.W
+        return self._moments(self.input_columns, x, W.size // W.shape[0],
+                             self.input_positions(x), sums)
+
+    @staticmethod
+    def _moments(columns, batch, dim, positions, sums=False):
+        """``Q Qᵀ``, ``Q 1`` if ``sums``, the number of columns and of
+        samples of ``(Q, n) = columns(batch)``, summed over
+        :func:`sample_chunks`."""
+        gram = row_sums = None
+        count = samples = 0
+        for part in sample_chunks(len(batch), dim, positions):
+            Q, n = columns(batch[part])
+            # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
+            gram = _add(gram, Q @ Q.T)
+            if sums:
+                row_sums = _add(row_sums, Q.sum(axis=1))
+            count += Q.shape[1]
+            samples += n
+        return gram, row_sums, count, samples
 
     def output_columns(self, gy):
         """Returns ``(Q, n)``: output-gradient columns ``(out, n T)``."""
@@ -76,12 +123,14 @@ class KroneckerBlock(base.FisherBlock):
         return True if 'G' in wanted else None
 
     def backward_statistics(self, context, gy, node):
-        n = len(gy)
-        Q, m = self.output_columns(self._kept(gy))
-        T = Q.shape[1] // m
+        n, out = len(gy), self.link.W.shape[0]
+        T = gy[0].size // out
+        gram, _, _, m = self._moments(self.output_columns, self._kept(gy),
+                                      out, T)
         # ĝ = n gy per sample, n of the whole batch; the mean over positions
         # divides by T.
-        self._accumulate('G', (Q @ Q.T) * (n * n / T), m)
+        gram *= n * n / T
+        self._accumulate('G', gram, m)
 
     def compute_inverse(self, damping, reuse):
         A, G = self.factor['A'], self.factor['G']
