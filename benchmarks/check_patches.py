@@ -2,8 +2,10 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/check_patches.py
 
-Runs one K-FAC step on the small CNN (and ResNet-50 width/4 at 32x32, and
-the MLP) with and without each patch, from the same weights and batch, and
+Runs two K-FAC steps on the small CNN (and ResNet-50 width/4 at 32x32, and
+the MLP) with and without each patch, from the same weights and batch (the
+first with a zero learning rate, so that the second folds the same
+statistics into the factors), and
 prints the largest relative difference of the factors, inverses and parameters (float32
 round-off: about 1e-6 for factors; inverses of ill-conditioned damped factors
 amplify it). Not a timed test.
@@ -23,14 +25,15 @@ import models
 import patches
 
 
-def state_after_steps(model, x, t, patch, steps=1):
+def state_after_steps(model, x, t, patch, steps=2):
     model = copy.deepcopy(model)
     opt = chainerkfac.optimizers.KFAC(lr=1e-2, damping=1e-3)
     opt.setup(model)
     if patch is not None:
         patch.apply()
     try:
-        for _ in range(steps):
+        for i in range(steps):
+            opt.lr = 1e-2 if i == steps - 1 else 0.0
             model.cleargrads()
             loss = F.softmax_cross_entropy(model(x), t)
             loss.backward()

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -363,6 +364,7 @@ def environment():
         'load_average': os.getloadavg() if hasattr(os, 'getloadavg')
         else None,
         'allocator': dict(ALLOCATOR),
+        'commit': _commit(),
     }
     try:
         import threadpoolctl
@@ -373,6 +375,22 @@ def environment():
     except Exception:  # pragma: no cover
         pass
     return info
+
+
+def _commit():
+    """The repository's commit, with ``+changes`` when tracked files
+    differ from it (None outside a Git checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        def git(*args):
+            return subprocess.run(['git', '-C', root] + list(args),
+                                  capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        changed = git('status', '--porcelain', '--untracked-files=no')
+        return git('rev-parse', '--short', 'HEAD') + (
+            '+changes' if changed else '')
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 _thread_limit = []

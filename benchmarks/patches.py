@@ -75,8 +75,57 @@ def whole_batch():
             'once (the previous implementation)')
 
 
+# -- Factor updates with factor-sized temporaries -------------------------------
+
+def _take_statistics_copying(self, loss_scale=None):
+    stats = {}
+    for f in self.factors:
+        if self._count[f]:
+            mean = self._sum[f] / self._count[f]
+            if f != 'A' and loss_scale is not None:
+                mean /= loss_scale * loss_scale
+            stats[f] = mean
+    self.discard_statistics()
+    return stats
+
+
+def _update_factors_copying(self, step, stats, decay):
+    from chainer import backend
+    rates = {}
+    for f, new in stats.items():
+        xp = backend.get_array_module(new)
+        if not bool(xp.isfinite(new).all()):
+            raise ValueError('non-finite {} factor'.format(f))
+        old, rate = self.factor[f], None
+        if old is None:
+            self.factor[f] = new
+        else:
+            updated = new if decay == 0 else \
+                decay * old + (1 - decay) * new
+            old_norm = float(xp.linalg.norm(old))
+            if old_norm > 0:
+                rate = float(xp.linalg.norm(updated - old)) / old_norm
+            self.factor[f] = updated
+        rates[f] = rate
+        self.schedules[f].mark(step, rate)
+        self._factors_changed = True
+    return rates
+
+
+def fresh_ema():
+    """The batch means and ``C <- d C + (1 - d) C_new`` with new arrays, as
+    before the factors were updated in place."""
+    from chainerkfac.curvature import base
+    return harness.Patch('fresh_ema', [
+        (base.FisherBlock, 'take_statistics', _take_statistics_copying),
+        (base.FisherBlock, 'update_factors', _update_factors_copying)],
+        doc='batch means and factor averages into new arrays (the '
+            'previous implementation)')
+
+
 PATCHES = {
     'fused_finite': fused_finite,
     'im2col': im2col,
     'whole_batch': whole_batch,
+    'fresh_ema': fresh_ema,
 }

@@ -111,12 +111,14 @@ def _env_line(payload):
     threads = ', '.join(sorted({'{} {} threads'.format(
         b.get('internal_api'), b.get('num_threads')) for b in blas}))
     load_avg = env.get('load_average')
+    commit = env.get('commit')
     return ('Python {}, NumPy {}, Chainer {}, {} CPUs ({}); load average '
-            'at the start {}; glibc malloc: {}.'.format(
+            'at the start {}; glibc malloc: {}{}.'.format(
                 env.get('python'), env.get('numpy'), env.get('chainer'),
                 env.get('cpus'), threads or 'BLAS unknown',
                 ', '.join('{:.1f}'.format(v) for v in load_avg)
-                if load_avg else 'unknown', _allocator(payload)))
+                if load_avg else 'unknown', _allocator(payload),
+                '; code at commit {}'.format(commit) if commit else ''))
 
 
 #: The peer figures the issue quotes (kfac-pytorch/KAISA on this machine).

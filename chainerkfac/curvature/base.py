@@ -133,7 +133,9 @@ class FisherBlock:
         stats = {}
         for f in self.factors:
             if self._count[f]:
-                mean = self._sum[f] / self._count[f]
+                # The sums are the block's own arrays, dropped below.
+                mean = self._sum[f]
+                mean /= self._count[f]
                 if f != 'A' and loss_scale is not None:
                     mean /= loss_scale * loss_scale
                 stats[f] = mean
@@ -159,14 +161,21 @@ class FisherBlock:
                     .format(f, self.name, step))
             old = self.factor[f]
             rate = None
-            if old is None:
-                self.factor[f] = new
-            else:
-                updated = new if decay == 0 else decay * old + (1 - decay) * new
-                old_norm = float(xp.linalg.norm(old))
+            old_norm = 0 if old is None else float(xp.linalg.norm(old))
+            if old is not None and decay:
+                # In place, as C + (1 - d)(C_new - C): factor-sized
+                # temporaries would be fresh memory on every refresh.
+                # ‖C_t − C_{t−Δ}‖ = (1 - d) ‖C_new − C_{t−Δ}‖.
+                new -= old
+                new *= 1 - decay
                 if old_norm > 0:
-                    rate = float(xp.linalg.norm(updated - old)) / old_norm
-                self.factor[f] = updated
+                    rate = float(xp.linalg.norm(new)) / old_norm
+                old += new
+            else:
+                if old_norm > 0:
+                    rate = float(xp.linalg.norm(new - old)) / old_norm
+                # A view would keep a whole receive buffer alive.
+                self.factor[f] = new if new.base is None else new.copy()
             rates[f] = rate
             self.schedules[f].mark(step, rate)
             self._factors_changed = True
