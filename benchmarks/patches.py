@@ -78,10 +78,9 @@ def whole_batch():
 # -- Factor updates with factor-sized temporaries -------------------------------
 
 def _take_statistics_copying(self, loss_scale=None):
-    # The batch means into new arrays, as a division out of place made them.
-    self._sum = {f: None if v is None else v.copy()
-                 for f, v in self._sum.items()}
-    return _original_take_statistics(self, loss_scale)
+    # The batch means in new arrays, as a division out of place made them.
+    return {f: v.copy() for f, v in
+            _original_take_statistics(self, loss_scale).items()}
 
 
 _original_take_statistics = None
@@ -124,9 +123,36 @@ def fresh_ema():
             'previous implementation)')
 
 
+# -- Statistics into new arrays on every refresh ----------------------------
+
+def _statistics_out_fresh(self, factor, shape, like):
+    from chainer import backend
+    return backend.get_array_module(like).empty(shape, dtype=like.dtype)
+
+
+def _discard_statistics_dropping(self):
+    self._sum = dict.fromkeys(self.factors)
+    self._count = dict.fromkeys(self.factors, 0)
+
+
+def fresh_sums():
+    """Every refresh's statistics in new arrays, dropped once folded, as
+    before :meth:`FisherBlock.statistics_out
+    <chainerkfac.curvature.base.FisherBlock.statistics_out>` kept the sums
+    from refresh to refresh."""
+    from chainerkfac.curvature import base
+    return harness.Patch('fresh_sums', [
+        (base.FisherBlock, 'statistics_out', _statistics_out_fresh),
+        (base.FisherBlock, 'discard_statistics',
+         _discard_statistics_dropping)],
+        doc='statistics into new arrays on every refresh (the previous '
+            'implementation)')
+
+
 PATCHES = {
     'fused_finite': fused_finite,
     'im2col': im2col,
     'whole_batch': whole_batch,
     'fresh_ema': fresh_ema,
+    'fresh_sums': fresh_sums,
 }

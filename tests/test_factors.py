@@ -244,3 +244,35 @@ def test_loss_scale_is_divided_out():
         factors.append((opt.blocks[0].factor['G'], link.W.array.copy()))
     numpy.testing.assert_allclose(factors[0][0], factors[1][0], rtol=1e-10)
     numpy.testing.assert_allclose(factors[0][1], factors[1][1], rtol=1e-10)
+
+
+@pytest.mark.parametrize('decay', [0.0, 0.5])
+def test_refreshes_fold_into_moving_averages(decay):
+    # The block writes each refresh's statistics into the array of the
+    # previous one; the factors must still be the moving averages of the
+    # brute-force factors, and with decay 0 a factor read earlier must keep
+    # its value.
+    rng = numpy.random.RandomState(6)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Linear(5, 3)
+    opt = chainerkfac.optimizers.KFAC(lr=0.0, cov_ema_decay=decay)
+    opt.setup(link)
+    expected, read = None, []
+    for step in range(3):
+        x = rng.randn(6, 5)
+        r = rng.randn(6, 3)
+        gy = per_sample_output_grads(link, x, r)
+        new = brute_force.kronecker_factors(x[:, None], gy[:, None], True)
+        expected = new if expected is None else [
+            decay * old + (1 - decay) * value
+            for old, value in zip(expected, new)]
+        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
+        block, = opt.blocks
+        numpy.testing.assert_allclose(block.factor['A'], expected[0],
+                                      rtol=1e-12)
+        numpy.testing.assert_allclose(block.factor['G'], expected[1],
+                                      rtol=1e-10)
+        read.append((block.factor['A'], expected[0]))
+    if decay == 0:
+        for array, value in read:
+            numpy.testing.assert_allclose(array, value, rtol=1e-12)

@@ -62,6 +62,8 @@ class FisherBlock:
             options.inverse_interval)
         self.factor = dict.fromkeys(self.factors)
         self.inverse_state = {}
+        #: The sums of each factor's statistics, kept from refresh to
+        #: refresh (:meth:`statistics_out`).
         self._sum = dict.fromkeys(self.factors)
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
@@ -107,11 +109,33 @@ class FisherBlock:
         """
         raise NotImplementedError
 
+    def statistics_out(self, factor, shape, like):
+        """The array a block writes the next statistics of ``factor`` into
+        (with ``out=``) before :meth:`_accumulate` takes them.
+
+        The first statistics of a step go straight into the block's sum,
+        an array of ``shape`` kept from one refresh to the next: a new
+        factor-sized array on every refresh is fresh memory, which on some
+        machines costs more than the products written into it (see
+        ``docs/guide/troubleshooting.md``). Later statistics of the same
+        step (a link called twice) get a new array, which
+        :meth:`_accumulate` adds. ``like`` gives the dtype and device.
+        """
+        total = self._sum[factor]
+        if self._count[factor] or total is None or total.shape != shape \
+                or total.dtype != like.dtype or \
+                not total.flags.c_contiguous or \
+                backend.get_device_from_array(total) != \
+                backend.get_device_from_array(like):
+            xp = backend.get_array_module(like)
+            return xp.empty(shape, dtype=like.dtype)
+        return total
+
     def _accumulate(self, factor, value, n_samples):
         """Adds a sum over ``n_samples`` per-sample terms to ``factor``."""
-        if self._sum[factor] is None:
+        if not self._count[factor]:
             self._sum[factor] = value
-        else:
+        elif value is not self._sum[factor]:
             self._sum[factor] += value
         self._count[factor] += n_samples
 
@@ -121,7 +145,6 @@ class FisherBlock:
 
     def discard_statistics(self):
         """Drops the statistics collected since the last step."""
-        self._sum = dict.fromkeys(self.factors)
         self._count = dict.fromkeys(self.factors, 0)
 
     def take_statistics(self, loss_scale=None):
@@ -133,7 +156,7 @@ class FisherBlock:
         stats = {}
         for f in self.factors:
             if self._count[f]:
-                # The sums are the block's own arrays, dropped below.
+                # In the block's sum, which the next statistics overwrite.
                 mean = self._sum[f]
                 mean /= self._count[f]
                 if f != 'A' and loss_scale is not None:
@@ -174,8 +197,14 @@ class FisherBlock:
             else:
                 if old_norm > 0:
                     rate = float(xp.linalg.norm(new - old)) / old_norm
-                # A view would keep a whole receive buffer alive.
-                self.factor[f] = new if new.base is None else new.copy()
+                if new is self._sum[f]:
+                    # The factor takes the sum's array (whoever holds the
+                    # previous factor keeps it as it was).
+                    self._sum[f] = None
+                    self.factor[f] = new
+                else:
+                    # A view would keep a whole receive buffer alive.
+                    self.factor[f] = new if new.base is None else new.copy()
             rates[f] = rate
             self.schedules[f].mark(step, rate)
             self._factors_changed = True
@@ -296,8 +325,10 @@ class FisherBlock:
             return None
 
     def state_bytes(self):
-        """Bytes held by the stored factors and inverses."""
-        arrays = list(self.factor.values()) + list(self.inverse_state.values())
+        """Bytes held by the stored factors, inverses and the sums kept for
+        the next statistics (:meth:`statistics_out`)."""
+        arrays = (list(self.factor.values()) + list(self._sum.values())
+                  + list(self.inverse_state.values()))
         return sum(a.nbytes for a in arrays if a is not None)
 
     def _serialize_array(self, serializer, key, value):

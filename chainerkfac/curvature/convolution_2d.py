@@ -64,9 +64,9 @@ def tap_pairs(h, w, ksize, pad):
                    _outside(all_rows, rows), _outside(all_cols, cols))
 
 
-def shifted_gram(x, ksize, pad):
+def shifted_gram(x, ksize, pad, out=None):
     """``Q Qᵀ`` for the im2col columns ``Q`` of a stride-1, dilation-1
-    convolution, without forming ``Q``.
+    convolution, without forming ``Q`` (into ``out`` if given).
 
     With ``x̃`` the input (channels first), the block of taps ``t = (j,
     i)`` and ``u = t + δ`` is ``Σ_p x̃[p] x̃[p + δ]ᵀ`` over the input
@@ -97,7 +97,7 @@ def shifted_gram(x, ksize, pad):
         return a @ b.T
 
     k = kh * kw
-    gram = xp.empty((c, k, c, k), dtype=x.dtype)
+    gram = xp.empty((c * k, c * k), dtype=x.dtype) if out is None else out
     whole = {}
     for t, u, (dy, dx), all_rows, all_cols, out_rows, out_cols in \
             tap_pairs(h, w, ksize, pad):
@@ -114,9 +114,10 @@ def shifted_gram(x, ksize, pad):
             block -= window(all_rows, q, dy, dx)
             for r in out_rows:
                 block += window(r, q, dy, dx)
-        gram[:, t, :, u] = block
-        gram[:, u, :, t] = block.T
-    return gram.reshape(c * k, c * k)
+        # Row and column ch k + t of Q Qᵀ are channel ch at tap t.
+        gram[t::k, u::k] = block
+        gram[u::k, t::k] = block.T
+    return gram
 
 
 class Convolution2DBlock(kronecker.KroneckerBlock):
@@ -187,13 +188,13 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                                        i * dx:i * dx + sx * ow:sx * s]
         return cols.reshape(c * kh * kw, -1), samples
 
-    def input_moments(self, x, sums):
+    def input_moments(self, x, sums, out=None):
         """:func:`~chainerkfac.curvature.convolution_2d.shifted_gram` where
         :func:`~chainerkfac.curvature.convolution_2d.shifted_gram_pays`,
         else im2col columns."""
         link = self.link
         if not shifted_gram_pays(link, x.shape, self.spatial_subsample):
-            return super().input_moments(x, sums)
+            return super().input_moments(x, sums, out)
         (kh, kw), (ph, pw) = _kernel(link), link.pad
         n = len(x)
         (oh, ow), _ = self._output_size(x.shape)
@@ -206,7 +207,7 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                 total[:, max(j - ph, 0):j - ph + oh,
                       max(i - pw, 0):i - pw + ow].sum(axis=(1, 2))
                 for j in range(kh) for i in range(kw)], axis=1).ravel()
-        return (shifted_gram(x, (kh, kw), (ph, pw)), row_sums,
+        return (shifted_gram(x, (kh, kw), (ph, pw), out), row_sums,
                 n * oh * ow, n)
 
     def output_columns(self, gy):

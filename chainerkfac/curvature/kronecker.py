@@ -77,25 +77,30 @@ class KroneckerBlock(base.FisherBlock):
         W = self.link.W
         return x[0].size // (W.size // W.shape[0])
 
-    def input_moments(self, x, sums):
+    def input_moments(self, x, sums, out=None):
         """Returns ``(Q Qᵀ, Q 1 or None, columns of Q, n)`` for the ``(Q,
         n)`` of :meth:`input_columns`; ``Q 1`` (the row sums, which the bias
-        coordinate needs) only if ``sums``."""
+        coordinate needs) only if ``sums``. ``Q Qᵀ`` is written into
+        ``out`` if given."""
         W = self.link.W
         return self._moments(self.input_columns, x, W.size // W.shape[0],
-                             self.input_positions(x), sums)
+                             self.input_positions(x), sums, out)
 
     @staticmethod
-    def _moments(columns, batch, dim, positions, sums=False):
-        """``Q Qᵀ``, ``Q 1`` if ``sums``, the number of columns and of
-        samples of ``(Q, n) = columns(batch)``, summed over
-        :func:`sample_chunks`."""
+    def _moments(columns, batch, dim, positions, sums=False, out=None):
+        """``Q Qᵀ`` (into ``out`` if given), ``Q 1`` if ``sums``, the number
+        of columns and of samples of ``(Q, n) = columns(batch)``, summed
+        over :func:`sample_chunks`."""
         gram = row_sums = None
         count = samples = 0
         for part in sample_chunks(len(batch), dim, positions):
             Q, n = columns(batch[part])
+            xp = backend.get_array_module(Q)
             # Q @ Q.T of one buffer: BLAS syrk, half the flops of a GEMM.
-            gram = _add(gram, Q @ Q.T)
+            if gram is None:
+                gram = xp.matmul(Q, Q.T, out=out)
+            else:
+                gram += Q @ Q.T
             if sums:
                 row_sums = _add(row_sums, Q.sum(axis=1))
             count += Q.shape[1]
@@ -108,25 +113,24 @@ class KroneckerBlock(base.FisherBlock):
 
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
-            ww, sums, columns, n = self.input_moments(self._kept(x),
-                                                      self.has_bias)
-            xp = backend.get_array_module(ww)
+            W = self.link.W
+            d = W.size // W.shape[0]
+            size = d + int(self.has_bias)
+            A = self.statistics_out('A', (size, size), x)
+            _, sums, columns, n = self.input_moments(
+                self._kept(x), self.has_bias, out=A[:d, :d])
             if self.has_bias:
-                d = ww.shape[0]
-                A = xp.empty((d + 1, d + 1), dtype=ww.dtype)
-                A[:d, :d] = ww
                 A[:d, d] = A[d, :d] = sums
                 A[d, d] = columns
-            else:
-                A = ww
             self._accumulate('A', A, n)
         return True if 'G' in wanted else None
 
     def backward_statistics(self, context, gy, node):
         n, out = len(gy), self.link.W.shape[0]
         T = gy[0].size // out
-        gram, _, _, m = self._moments(self.output_columns, self._kept(gy),
-                                      out, T)
+        gram = self.statistics_out('G', (out, out), gy)
+        _, _, _, m = self._moments(self.output_columns, self._kept(gy), out,
+                                   T, out=gram)
         # ĝ = n gy per sample, n of the whole batch; the mean over positions
         # divides by T.
         gram *= n * n / T
