@@ -282,11 +282,11 @@ def pack_symmetric(M):
     return M[_upper_mask(xp, M.shape[0], backend.get_device_from_array(M))]
 
 
-def unpack_symmetric(packed, dim):
-    """Inverse of :func:`pack_symmetric`."""
+def unpack_symmetric(packed, dim, out=None):
+    """Inverse of :func:`pack_symmetric` (into ``out`` if given)."""
     xp = backend.get_array_module(packed)
     mask = _upper_mask(xp, dim, backend.get_device_from_array(packed))
-    M = xp.empty((dim, dim), dtype=packed.dtype)
+    M = xp.empty((dim, dim), dtype=packed.dtype) if out is None else out
     M[mask] = packed
     # Mᵀ[mask] walks (i, j), i <= j, in the order of ``packed``: it writes
     # M[j, i] = M[i, j], the lower triangle.

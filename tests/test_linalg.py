@@ -15,6 +15,9 @@ def test_pack_lists_the_upper_triangle_row_by_row(dim, dtype):
     assert packed.dtype == dtype
     numpy.testing.assert_array_equal(packed, M[rows, cols])
     numpy.testing.assert_array_equal(linalg.unpack_symmetric(packed, dim), M)
+    out = numpy.full((dim, dim), numpy.nan, dtype=dtype)
+    assert linalg.unpack_symmetric(packed, dim, out) is out
+    numpy.testing.assert_array_equal(out, M)
 
 
 def test_unpack_of_a_sum_is_the_sum():

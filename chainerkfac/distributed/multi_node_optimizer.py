@@ -230,7 +230,11 @@ class HybridParallelStages(kfac.LocalStages):
                 if key == 'grad':
                     block.set_gradient(flat.reshape(shape))
                 elif len(shape) == 2:
-                    stats[key] = linalg.unpack_symmetric(flat, shape[0])
+                    # Into the block's sum, which its own statistics
+                    # left once packed.
+                    stats[key] = linalg.unpack_symmetric(
+                        flat, shape[0],
+                        block.statistics_out(key, shape, flat))
                 else:
                     stats[key] = flat.reshape(shape)
             if stats:
