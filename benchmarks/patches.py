@@ -149,10 +149,29 @@ def fresh_sums():
             'implementation)')
 
 
+# -- Convolution inputs gathered channels-first -----------------------------
+
+def _never_channels_last(v):
+    return False
+
+
+def channels_first():
+    """Every convolution input copied into channels-first rows before its
+    products, as before :func:`channel_columns
+    <chainerkfac.curvature.convolution_2d.channel_columns>` followed the
+    input's memory layout."""
+    from chainerkfac.curvature import convolution_2d
+    return harness.Patch('channels_first', [
+        (convolution_2d, '_channels_innermost', _never_channels_last)],
+        doc='convolution inputs gathered into channels-first rows (the '
+            'previous implementation)')
+
+
 PATCHES = {
     'fused_finite': fused_finite,
     'im2col': im2col,
     'whole_batch': whole_batch,
     'fresh_ema': fresh_ema,
     'fresh_sums': fresh_sums,
+    'channels_first': channels_first,
 }

@@ -114,6 +114,43 @@ def test_stride_1_convolution_a_factor_without_im2col(ksize, pad, nobias,
     numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
 
 
+def channels_last(x):
+    """``x`` (NCHW) stored channels-last, as Chainer's CPU convolutions and
+    the elementwise functions after them leave their outputs."""
+    return numpy.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(
+        0, 3, 1, 2)
+
+
+@pytest.mark.parametrize('ksize,stride,pad,nobias', [
+    (1, 1, 0, False),              # columns are the input itself
+    (1, 2, 0, True),
+    (3, 1, 1, False),              # shifted_gram
+    ((3, 2), (2, 1), 1, True),     # im2col
+])
+def test_convolution_a_factor_of_channels_last_input(ksize, stride, pad,
+                                                     nobias):
+    rng = numpy.random.RandomState(8)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Convolution2D(3, 2, ksize, stride=stride, pad=pad,
+                               nobias=nobias, initial_bias=0.5)
+    link.W.array = rng.randn(*link.W.shape)
+    x = channels_last(rng.randn(3, 3, 18, 12))
+    r = rng.randn(*link(x).shape)
+    patches = brute_force.conv_patches(x, link.W.shape[2:], link.stride,
+                                       link.pad, link.dilate)
+    A, _ = brute_force.kronecker_factors(patches, patches, not nobias)
+    block = collect(link, x, r)
+    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+
+
+def test_channels_last_columns_are_not_copied():
+    x = channels_last(numpy.random.RandomState(9).randn(2, 3, 4, 5))
+    xt = x.transpose(1, 0, 2, 3)
+    columns = chainerkfac.curvature.convolution_2d.channel_columns(xt)
+    numpy.testing.assert_array_equal(columns, xt.reshape(3, -1))
+    assert numpy.shares_memory(columns, x)
+
+
 @pytest.mark.parametrize('ksize,stride,pad,nobias', [
     ((3, 2), (2, 1), 1, False), (1, 1, 0, True), (1, 2, 0, False)])
 @pytest.mark.parametrize('s', [2, 3])

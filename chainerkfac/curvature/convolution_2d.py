@@ -24,6 +24,29 @@ def _outside(full, kept):
     return [part for part in ((lo, a), (b, hi)) if part[0] < part[1]]
 
 
+def _channels_innermost(v):
+    """Whether the channels, axis 0 of ``v``, lie next to each other in
+    memory (an NCHW array stored channels-last, as Chainer's CPU
+    convolutions and every elementwise function after them leave it)."""
+    return abs(v.strides[0]) == v.itemsize
+
+
+def channel_columns(v):
+    """``v`` of shape ``(c, ...)`` as a ``(c, m)`` matrix, copied only if it
+    must be and then in the order of its memory.
+
+    Gathering a channels-last array into channels-first rows is a
+    transposing copy that costs more than the product over its columns
+    (on ResNet-50 at 224 x 224 twice the ``syrk`` of a 1x1 convolution's
+    ``A``); a channels-last array is returned as the transpose of its
+    ``(m, c)`` rows, which BLAS takes as it is.
+    """
+    c = v.shape[0]
+    if _channels_innermost(v):
+        return v.transpose(tuple(range(1, v.ndim)) + (0,)).reshape(-1, c).T
+    return v.reshape(c, -1)
+
+
 def _kernel(link):
     return (link.ksize if isinstance(link.ksize, tuple)
             else (link.ksize, link.ksize))
@@ -85,15 +108,21 @@ def shifted_gram(x, ksize, pad, out=None):
     (kh, kw) = ksize
     n, c, h, w = x.shape
     xt = x.transpose(1, 0, 2, 3)
-    spaced = xp.zeros((c, n, h + kh - 1, w + kw - 1), dtype=x.dtype)
+    size = (h + kh - 1, w + kw - 1)
+    if _channels_innermost(xt):
+        # Laid out like the input: the copy moves whole channel vectors.
+        spaced = xp.zeros((n,) + size + (c,), dtype=x.dtype).transpose(
+            3, 0, 1, 2)
+    else:
+        spaced = xp.zeros((c, n) + size, dtype=x.dtype)
     spaced[:, :, :h, :w] = xt
-    flat = spaced.reshape(c, -1)
+    flat = spaced.reshape(c, -1)  # a view in either layout
     length, stride = flat.shape[1], w + kw - 1
 
     def window(rows, cols, dy, dx):
-        a = xt[:, :, rows[0]:rows[1], cols[0]:cols[1]].reshape(c, -1)
-        b = xt[:, :, rows[0] + dy:rows[1] + dy,
-               cols[0] + dx:cols[1] + dx].reshape(c, -1)
+        a = channel_columns(xt[:, :, rows[0]:rows[1], cols[0]:cols[1]])
+        b = channel_columns(xt[:, :, rows[0] + dy:rows[1] + dy,
+                               cols[0] + dx:cols[1] + dx])
         return a @ b.T
 
     k = kh * kw
@@ -175,7 +204,7 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         xt = x.transpose(1, 0, 2, 3)
         if kh == kw == 1 and ph == pw == 0:
             taps = xt[:, :, :sy * oh:sy * s, :sx * ow:sx * s]
-            return xp.ascontiguousarray(taps).reshape(c, -1), samples
+            return channel_columns(taps), samples
         if ph or pw:
             padded = xp.zeros((c, n, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
             padded[:, :, ph:ph + h, pw:pw + w] = xt
