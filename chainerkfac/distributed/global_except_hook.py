@@ -12,7 +12,14 @@ Only exceptions that reach the top of the main thread are caught:
 exceptions in other threads and ``sys.exit`` are left alone.
 """
 import sys
+import time
 import traceback
+
+#: Seconds between writing the report and ``MPI_Abort``: the launcher
+#: forwards a rank's output asynchronously and drops what is still in flight
+#: when it kills the job (seen once in the test suite on a loaded machine:
+#: an aborted run with empty outputs).
+REPORT_GRACE = 0.5
 
 
 def install_global_except_hook():
@@ -41,5 +48,7 @@ def _abort_on_uncaught_exception(exc_type, exc, tb):
             + ''.join('[rank {}] {}'.format(rank, line)
                       for line in report.splitlines(True)))
         sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(REPORT_GRACE)
     finally:
         world.Abort(1)
