@@ -20,6 +20,18 @@ def test_import_chainer_before_chainerkfac():
     assert '(1, 1, 2, 2)' in result.stdout
 
 
+def test_import_chainer_without_numpy_distutils():
+    # NumPy for Python 3.12 and later has no numpy.distutils, which
+    # chainer._environment_check imports.
+    result = run_python(
+        'import sys\n'
+        'sys.modules["numpy.distutils"] = None  # its import now fails\n'
+        'import chainer, numpy.distutils.system_info as s\n'
+        'print(s.get_info("blas_opt"))\n')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == '{}'
+
+
 def test_import_chainerkfac_needs_no_cupy():
     result = run_python(
         'import sys\n'
