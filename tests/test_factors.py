@@ -7,6 +7,8 @@ import pytest
 
 import chainerkfac
 from tests import brute_force
+from tests import device
+from tests.device import host, place, send
 
 
 def per_sample_loss(y, r):
@@ -15,22 +17,25 @@ def per_sample_loss(y, r):
 
 
 def collect(link, x, r, **kfac_options):
-    """Runs one K-FAC step on ``link`` and returns its block."""
+    """Runs one K-FAC step on ``link`` (on the tests' device) and returns
+    its block."""
     opt = chainerkfac.optimizers.KFAC(lr=0.0, **kfac_options)
-    opt.setup(link)
-    opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
+    opt.setup(place(link))
+    opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)),
+               *send(x, r))
     block, = opt.blocks
     return block
 
 
 def per_sample_output_grads(link, x, r):
     """∂l_i/∂y_i from a separate backward pass for every sample."""
+    x, r = link.device.send(x), link.device.send(r)
     grads = []
     for i in range(len(x)):
         y = link(x[i:i + 1])
         loss = F.sum(per_sample_loss(y, r[i:i + 1]))
         gy, = chainer.grad([loss], [y])
-        grads.append(gy.array[0])
+        grads.append(host(gy.array[0]))
     return numpy.stack(grads)
 
 
@@ -46,8 +51,8 @@ def test_linear_factors(nobias):
     gy = per_sample_output_grads(link, x, r)
     A, G = brute_force.kronecker_factors(x[:, None], gy[:, None], not nobias)
     block = collect(link, x, r)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
-    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
 
 
 @pytest.mark.parametrize('stride,pad,dilate', [
@@ -68,8 +73,8 @@ def test_convolution_2d_factors(stride, pad, dilate):
     rows = gy.reshape(n, out, oh * ow).transpose(0, 2, 1)
     A, G = brute_force.kronecker_factors(patches, rows, True)
     block = collect(link, x, r)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
-    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
 
 
 @pytest.mark.parametrize('n,dim,positions,sizes', [
@@ -88,6 +93,8 @@ def test_sample_chunks(n, dim, positions, sizes):
     assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))
 
 
+@pytest.mark.skipif('device.on_gpu()',
+                    reason='on a GPU, A comes from im2col by design')
 @pytest.mark.parametrize('ksize,pad,nobias', [
     (3, 1, False), ((3, 2), (0, 1), True), ((5, 3), 2, False)])
 def test_stride_1_convolution_a_factor_without_im2col(ksize, pad, nobias,
@@ -111,7 +118,7 @@ def test_stride_1_convolution_a_factor_without_im2col(ksize, pad, nobias,
     monkeypatch.setattr(chainerkfac.curvature.convolution_2d
                         .Convolution2DBlock, 'input_columns', no_im2col)
     block = collect(link, x, r)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
 
 
 def channels_last(x):
@@ -140,7 +147,7 @@ def test_convolution_a_factor_of_channels_last_input(ksize, stride, pad,
                                        link.pad, link.dilate)
     A, _ = brute_force.kronecker_factors(patches, patches, not nobias)
     block = collect(link, x, r)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
 
 
 def test_channels_last_columns_are_not_copied():
@@ -176,8 +183,9 @@ def test_spatially_subsampled_convolution_a_factor(ksize, stride, pad,
     A *= oh * ow / len(kept)
     full = collect(link, x, r)
     block = collect(link, x, r, spatial_subsample=s)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
-    numpy.testing.assert_allclose(block.factor['G'], full.factor['G'],
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']),
+                                  host(full.factor['G']),
                                   rtol=1e-12)
 
 
@@ -200,8 +208,8 @@ def test_batch_subsampled_factors(k):
     rows = gy.reshape(n, out, oh * ow).transpose(0, 2, 1)
     A, G = brute_force.kronecker_factors(patches, rows, True)
     block = collect(link, x, r, batch_subsample=k)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
-    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
     # Linear blocks subsample alike; spatial subsampling composes (A only).
     with chainer.using_config('dtype', numpy.float64):
         linear = L.Linear(5, 3)
@@ -210,8 +218,8 @@ def test_batch_subsampled_factors(k):
     gy = per_sample_output_grads(linear, x, r)[:m]
     A, G = brute_force.kronecker_factors(x[:m, None], gy[:, None], True)
     block = collect(linear, x, r, batch_subsample=k, spatial_subsample=2)
-    numpy.testing.assert_allclose(block.factor['A'], A, rtol=1e-12)
-    numpy.testing.assert_allclose(block.factor['G'], G, rtol=1e-10)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
 
 
 @pytest.mark.parametrize('bn_fisher', ['diagonal', 'full'])
@@ -246,16 +254,17 @@ def test_batch_normalization_fisher(bn_fisher, shape, link_class):
     full = sum(numpy.outer(zi, zi) for zi in z) / n
     block = collect(link, x, r, bn_fisher=bn_fisher)
     expected = numpy.diag(full) if bn_fisher == 'diagonal' else full
-    numpy.testing.assert_allclose(block.factor['F'], expected, rtol=1e-10)
+    numpy.testing.assert_allclose(host(block.factor['F']), expected,
+                                  rtol=1e-10)
 
 
 def test_statistics_ignore_evaluation_passes():
     rng = numpy.random.RandomState(3)
-    link = L.Linear(4, 2)
+    link = place(L.Linear(4, 2))
     opt = chainerkfac.optimizers.KFAC()
     opt.setup(link)
     block, = opt.blocks
-    x = rng.randn(3, 4).astype(numpy.float32)
+    x = send(rng.randn(3, 4).astype(numpy.float32))
     with chainer.using_config('train', False):
         F.sum(link(x)).backward()
     with chainer.no_backprop_mode():
@@ -274,11 +283,13 @@ def test_loss_scale_is_divided_out():
         with chainer.using_config('dtype', numpy.float64):
             link = L.Linear(4, 3, initialW=numpy.ones((3, 4)))
         opt = chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.0)
-        opt.setup(link)
+        opt.setup(place(link))
         if scale:
             opt.loss_scaling(scale=scale)
-        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
-        factors.append((opt.blocks[0].factor['G'], link.W.array.copy()))
+        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)),
+                   *send(x, r))
+        factors.append((host(opt.blocks[0].factor['G']),
+                        host(link.W.array).copy()))
     numpy.testing.assert_allclose(factors[0][0], factors[1][0], rtol=1e-10)
     numpy.testing.assert_allclose(factors[0][1], factors[1][1], rtol=1e-10)
 
@@ -293,7 +304,7 @@ def test_refreshes_fold_into_moving_averages(decay):
     with chainer.using_config('dtype', numpy.float64):
         link = L.Linear(5, 3)
     opt = chainerkfac.optimizers.KFAC(lr=0.0, cov_ema_decay=decay)
-    opt.setup(link)
+    opt.setup(place(link))
     expected, read = None, []
     for step in range(3):
         x = rng.randn(6, 5)
@@ -303,13 +314,14 @@ def test_refreshes_fold_into_moving_averages(decay):
         expected = new if expected is None else [
             decay * old + (1 - decay) * value
             for old, value in zip(expected, new)]
-        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)), x, r)
+        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)),
+                   *send(x, r))
         block, = opt.blocks
-        numpy.testing.assert_allclose(block.factor['A'], expected[0],
+        numpy.testing.assert_allclose(host(block.factor['A']), expected[0],
                                       rtol=1e-12)
-        numpy.testing.assert_allclose(block.factor['G'], expected[1],
+        numpy.testing.assert_allclose(host(block.factor['G']), expected[1],
                                       rtol=1e-10)
         read.append((block.factor['A'], expected[0]))
     if decay == 0:
         for array, value in read:
-            numpy.testing.assert_allclose(array, value, rtol=1e-12)
+            numpy.testing.assert_allclose(host(array), value, rtol=1e-12)

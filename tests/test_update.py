@@ -7,6 +7,7 @@ import pytest
 
 import chainerkfac
 from tests import brute_force
+from tests.device import host, place, send
 
 
 class MLP(chainer.Chain):
@@ -39,7 +40,8 @@ def reference_copy(model, x, t):
 
 
 def full_gradient(link):
-    return numpy.concatenate([link.W.grad, link.b.grad[:, None]], axis=1)
+    return numpy.concatenate([host(link.W.grad), host(link.b.grad)[:, None]],
+                             axis=1)
 
 
 # An inverse used once is kept as Cholesky factors (triangular solves); one
@@ -53,22 +55,22 @@ def full_gradient(link):
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol):
     damping, lr = 1e-2, 0.5
-    model = MLP(dtype)
+    model = place(MLP(dtype))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
                                       inverse=inverse,
                                       inverse_interval=inverse_interval)
     opt.setup(model)
     x, t = data(dtype=dtype)
-    before = {n: p.array.astype(numpy.float64).copy()
+    before = {n: host(p.array).astype(numpy.float64)
               for n, p in model.namedparams()}
-    # Raw gradients of the same batch, computed independently.
+    # Raw gradients of the same batch, computed independently on the CPU.
     ref = reference_copy(model, x, t)
-    opt.update(loss_fn(model), x, t)
+    opt.update(loss_fn(model), *send(x, t))
     for block in opt.blocks:
         assert state in block.inverse_state
         name = block.name
-        A = block.factor['A'].astype(numpy.float64)
-        G = block.factor['G'].astype(numpy.float64)
+        A = host(block.factor['A']).astype(numpy.float64)
+        G = host(block.factor['G']).astype(numpy.float64)
         grad = full_gradient(getattr(ref, name)).astype(numpy.float64)
         if inverse == 'cholesky':
             A_d, G_d = brute_force.factored_damping(A, G, damping)
@@ -80,34 +82,34 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
         W_new = before['/' + name + '/W'] - lr * V[:, :-1]
         b_new = before['/' + name + '/b'] - lr * V[:, -1]
         link = getattr(model, name)
-        numpy.testing.assert_allclose(link.W.array, W_new, rtol=rtol,
+        numpy.testing.assert_allclose(host(link.W.array), W_new, rtol=rtol,
                                       atol=rtol * abs(W_new).max())
-        numpy.testing.assert_allclose(link.b.array, b_new, rtol=rtol,
+        numpy.testing.assert_allclose(host(link.b.array), b_new, rtol=rtol,
                                       atol=rtol * abs(b_new).max())
 
 
 def test_batch_of_one_linear_block_is_exact_empirical_fisher():
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC()
     opt.setup(model)
     x, t = data(n=1)
     ref = reference_copy(model, x, t)
-    opt.update(loss_fn(model), x, t)
+    opt.update(loss_fn(model), *send(x, t))
     for block in opt.blocks:
         g = brute_force.vec(full_gradient(getattr(ref, block.name)))
         numpy.testing.assert_allclose(
-            numpy.kron(block.factor['A'], block.factor['G']),
+            numpy.kron(host(block.factor['A']), host(block.factor['G'])),
             numpy.outer(g, g), rtol=1e-10, atol=1e-14)
 
 
 def run(optimizer, model, steps, hooks=()):
-    optimizer.setup(model)
+    optimizer.setup(place(model))
     for hook in hooks:
         optimizer.add_hook(hook)
     for i in range(steps):
         x, t = data(seed=i, dtype=model.l1.W.dtype)
-        optimizer.update(loss_fn(model), x, t)
-    return {n: p.array.copy() for n, p in model.namedparams()}
+        optimizer.update(loss_fn(model), *send(x, t))
+    return {n: host(p.array).copy() for n, p in model.namedparams()}
 
 
 @pytest.mark.parametrize('hooks', [
@@ -130,63 +132,63 @@ def test_optimizer_hooks_act_before_preconditioning():
     # Chainer's WeightDecay hook adds rate * w (biases too) to the gradient
     # that K-FAC then preconditions with the unchanged damping.
     rate, damping, lr = 0.05, 1e-2, 0.5
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
     x, t = data()
     ref = reference_copy(model, x, t)
-    opt.update(loss_fn(model), x, t)
+    opt.update(loss_fn(model), *send(x, t))
     for block in opt.blocks:
         link = getattr(ref, block.name)
         grad = full_gradient(link) + rate * numpy.concatenate(
             [link.W.array, link.b.array[:, None]], axis=1)
         A_d, G_d = brute_force.factored_damping(
-            block.factor['A'], block.factor['G'], damping)
+            host(block.factor['A']), host(block.factor['G']), damping)
         V = brute_force.unvec(numpy.linalg.solve(numpy.kron(A_d, G_d),
                                                  brute_force.vec(grad)),
                               grad.shape)
-        numpy.testing.assert_allclose(getattr(model, block.name).b.array,
+        numpy.testing.assert_allclose(host(getattr(model, block.name).b.array),
                                       link.b.array - lr * V[:, -1],
                                       rtol=1e-8)
 
 
 def test_momentum_update_rule():
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=0.3, momentum=0.5, damping=1e-2,
                                       cov_ema_decay=0.0)
     opt.setup(model)
-    w0 = model.l1.W.array.copy()
-    x, t = data()
+    w0 = host(model.l1.W.array).copy()
+    x, t = send(*data())
     opt.update(loss_fn(model), x, t)
-    v1 = model.l1.W.array - w0
-    w1 = model.l1.W.array.copy()
+    w1 = host(model.l1.W.array).copy()
+    v1 = w1 - w0
     opt.update(loss_fn(model), x, t)
     # v2 = 0.5 v1 - lr V2, with V2 the preconditioned gradient of step 2.
-    V2 = model.l1.W.grad
-    numpy.testing.assert_allclose(model.l1.W.array - w1, 0.5 * v1 - 0.3 * V2,
-                                  rtol=1e-12)
+    V2 = host(model.l1.W.grad)
+    numpy.testing.assert_allclose(host(model.l1.W.array) - w1,
+                                  0.5 * v1 - 0.3 * V2, rtol=1e-12)
 
 
 def test_paper_weight_decay_adds_to_gradient_and_damping():
     damping, decay, lr = 1e-2, 1e-1, 0.5
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
                                       weight_decay=decay)
     opt.setup(model)
     x, t = data()
     ref = reference_copy(model, x, t)
-    opt.update(loss_fn(model), x, t)
+    opt.update(loss_fn(model), *send(x, t))
     block = opt.blocks[0]
     link = getattr(ref, block.name)
     grad = full_gradient(link)
     grad[:, :-1] += decay * link.W.array
     A_d, G_d = brute_force.factored_damping(
-        block.factor['A'], block.factor['G'], damping + decay)
+        host(block.factor['A']), host(block.factor['G']), damping + decay)
     V = brute_force.unvec(numpy.linalg.solve(numpy.kron(A_d, G_d),
                                              brute_force.vec(grad)),
                           grad.shape)
-    numpy.testing.assert_allclose(getattr(model, block.name).W.array,
+    numpy.testing.assert_allclose(host(getattr(model, block.name).W.array),
                                   link.W.array - lr * V[:, :-1], rtol=1e-8)
 
 
@@ -194,35 +196,36 @@ def test_accumulation_equals_one_big_batch():
     init = MLP()
     results = []
     for acc_iters in (1, 4):
-        model = init.copy(mode='copy')
+        model = place(init.copy(mode='copy'))
         opt = chainerkfac.optimizers.KFAC(lr=0.1, acc_iters=acc_iters)
         opt.setup(model)
         for i in range(3):
             x, t = data(n=16, seed=i)
-            opt.update(loss_fn(model), x, t)
+            opt.update(loss_fn(model), *send(x, t))
         results.append(model)
     for (n, p), (_, q) in zip(results[0].namedparams(),
                               results[1].namedparams()):
-        numpy.testing.assert_allclose(p.array, q.array, rtol=1e-10)
+        numpy.testing.assert_allclose(host(p.array), host(q.array),
+                                      rtol=1e-10)
 
 
 def test_accumulation_rejects_uneven_batches():
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(acc_iters=3)
     opt.setup(model)
     with pytest.raises(ValueError, match='acc_iters=3'):
-        opt.update(loss_fn(model), *data(n=16))
+        opt.update(loss_fn(model), *send(*data(n=16)))
 
 
 def test_singular_factor_gives_finite_update():
     # Zero activations without bias: A = 0, π falls back to 1.
-    link = L.Linear(4, 3, nobias=True)
+    link = place(L.Linear(4, 3, nobias=True))
     opt = chainerkfac.optimizers.KFAC(lr=0.1)
     opt.setup(link)
-    x = numpy.zeros((5, 4), dtype=numpy.float32)
+    x = send(numpy.zeros((5, 4), dtype=numpy.float32))
     opt.update(lambda x: F.sum(link(x) ** 2) + F.sum(link.W), x)
-    assert numpy.isfinite(link.W.array).all()
-    numpy.testing.assert_allclose(opt.blocks[0].factor['A'], 0)
+    assert numpy.isfinite(host(link.W.array)).all()
+    numpy.testing.assert_allclose(host(opt.blocks[0].factor['A']), 0)
 
 
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
@@ -230,69 +233,71 @@ def test_damped_inverse_and_cholesky_never_nan(dtype):
     linalg = chainerkfac.linalg
     rng = numpy.random.RandomState(0)
     v = rng.randn(6, 1)
-    indefinite = (v @ v.T - 1e-3 * numpy.eye(6)).astype(dtype)
-    inv = linalg.damped_inverse(indefinite, 0.0)
-    L = linalg.damped_cholesky(indefinite, 0.0)
+    indefinite = send((v @ v.T - 1e-3 * numpy.eye(6)).astype(dtype))
+    inv = host(linalg.damped_inverse(indefinite, 0.0))
+    L = host(linalg.damped_cholesky(indefinite, 0.0))
     assert numpy.isfinite(inv).all() and numpy.isfinite(L).all()
     numpy.testing.assert_allclose(inv, inv.T, rtol=1e-6)
     numpy.testing.assert_array_equal(L, numpy.tril(L))
     # Both describe the same floored matrix.
     numpy.testing.assert_allclose(inv @ (L @ L.T), numpy.eye(6), atol=1e-3)
-    zero = numpy.zeros((3, 3), dtype=dtype)
-    numpy.testing.assert_allclose(linalg.damped_inverse(zero, 1e-4),
+    zero = send(numpy.zeros((3, 3), dtype=dtype))
+    numpy.testing.assert_allclose(host(linalg.damped_inverse(zero, 1e-4)),
                                   numpy.eye(3) * 1e4, rtol=1e-5)
-    numpy.testing.assert_allclose(linalg.damped_cholesky(zero, 1e-4),
+    numpy.testing.assert_allclose(host(linalg.damped_cholesky(zero, 1e-4)),
                                   numpy.eye(3) * 1e-2, rtol=1e-5)
 
 
 def test_cholesky_precondition_equals_inverse_products():
     linalg = chainerkfac.linalg
     rng = numpy.random.RandomState(1)
-    A, G = (X @ X.T for X in (rng.randn(7, 9), rng.randn(4, 5)))
-    grad = rng.randn(4, 7)
+    A, G = send(*(X @ X.T for X in (rng.randn(7, 9), rng.randn(4, 5))))
+    grad = send(rng.randn(4, 7))
     A_inv, G_inv = linalg.damped_inverse(A, 0.1), linalg.damped_inverse(G, 0.2)
     expected = linalg.kronecker_precondition(grad, A_inv, G_inv)
     L_A, L_G = linalg.damped_cholesky(A, 0.1), linalg.damped_cholesky(G, 0.2)
     got = linalg.cholesky_precondition(grad, L_A, L_G)
-    numpy.testing.assert_allclose(got, expected, rtol=1e-10)
+    expected = host(expected)
+    numpy.testing.assert_allclose(host(got), expected, rtol=1e-10)
     # One factor explicit and the other Cholesky, for split blocks: parts
     # of the explicit inverse give parts of V.
     rows = [linalg.mixed_precondition(grad, G_inv=G_inv[I], A_chol=L_A)
             for I in (slice(0, 1), slice(1, 4))]
     columns = [linalg.mixed_precondition(grad, A_inv=A_inv[:, J], G_chol=L_G)
                for J in (slice(0, 5), slice(5, 7))]
-    numpy.testing.assert_allclose(numpy.concatenate(rows), expected,
-                                  rtol=1e-10)
-    numpy.testing.assert_allclose(numpy.concatenate(columns, axis=1),
-                                  expected, rtol=1e-10)
+    numpy.testing.assert_allclose(
+        numpy.concatenate([host(r) for r in rows]), expected, rtol=1e-10)
+    numpy.testing.assert_allclose(
+        numpy.concatenate([host(c) for c in columns], axis=1), expected,
+        rtol=1e-10)
 
 
 def test_nan_gradient_raises_by_default():
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC()
     opt.setup(model)
     x, t = data()
     x[0, 0] = numpy.nan
     with pytest.raises(chainerkfac.NonFiniteError, match='l1'):
-        opt.update(loss_fn(model), x, t)
+        opt.update(loss_fn(model), *send(x, t))
 
 
 def test_nan_gradient_skipped_when_configured():
-    model = MLP()
+    model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
     opt.setup(model)
-    before = {n: p.array.copy() for n, p in model.namedparams()}
+    before = {n: host(p.array).copy() for n, p in model.namedparams()}
     x, t = data()
     x[0, 0] = numpy.nan
     reporter = chainer.Reporter()
     observation = {}
     with reporter.scope(observation):
-        opt.update(loss_fn(model), x, t)
+        opt.update(loss_fn(model), *send(x, t))
     assert observation['kfac/skipped_steps'] == 1
     for n, p in model.namedparams():
-        numpy.testing.assert_array_equal(p.array, before[n])
+        numpy.testing.assert_array_equal(host(p.array), before[n])
     assert all(b.factor['A'] is None for b in opt.blocks)
-    opt.update(loss_fn(model), *data())
+    opt.update(loss_fn(model), *send(*data()))
     assert all(b.ready() for b in opt.blocks)
 
 
@@ -316,52 +321,52 @@ def test_reports_and_describe():
     model = MLP()
     model.add_link('emb', L.EmbedID(3, 2))
     opt = chainerkfac.optimizers.KFAC()
-    opt.setup(model)
+    opt.setup(place(model))
     text = opt.describe()
     assert 'l1' in text and 'K-FAC' in text and '/emb/W' in text
     reporter = chainer.Reporter()
     observation = {}
     with reporter.scope(observation):
-        opt.update(loss_fn(model), *data())
+        opt.update(loss_fn(model), *send(*data()))
     assert observation['kfac/factor_refreshes'] == 4
     assert observation['kfac/inverse_refreshes'] == 2
     observation = {}
     with reporter.scope(observation):
-        opt.update(loss_fn(model), *data())
+        opt.update(loss_fn(model), *send(*data()))
     assert observation['kfac/change_rate'] > 0
 
 
 def test_manual_loop_equals_update_with_lossfun():
     init = MLP()
-    a, b = init.copy(mode='copy'), init.copy(mode='copy')
+    a, b = place(init.copy(mode='copy')), place(init.copy(mode='copy'))
     opt_a = chainerkfac.optimizers.KFAC(lr=0.1)
     opt_a.setup(a)
     opt_b = chainerkfac.optimizers.KFAC(lr=0.1)
     opt_b.setup(b)
     for i in range(3):
-        x, t = data(seed=i)
+        x, t = send(*data(seed=i))
         opt_a.update(loss_fn(a), x, t)
         b.cleargrads()
         loss_fn(b)(x, t).backward()
         opt_b.update()
     for (n, p), (_, q) in zip(a.namedparams(), b.namedparams()):
-        numpy.testing.assert_array_equal(p.array, q.array)
+        numpy.testing.assert_array_equal(host(p.array), host(q.array))
 
 
 def test_skipped_step_keeps_batch_norm_running_statistics():
-    model = chainer.Sequential(L.Linear(6, 4), L.BatchNormalization(4),
-                               L.Linear(4, 3))
+    model = place(chainer.Sequential(
+        L.Linear(6, 4), L.BatchNormalization(4), L.Linear(4, 3)))
     opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
     opt.setup(model)
     x, t = data(dtype=numpy.float32)
     lossfun = lambda x, t: F.softmax_cross_entropy(model(x), t)  # NOQA
-    opt.update(lossfun, x, t)
+    opt.update(lossfun, *send(x, t))
     bn = model[1]
-    before = bn.avg_mean.copy(), bn.avg_var.copy()
+    before = host(bn.avg_mean).copy(), host(bn.avg_var).copy()
     x[0, 0] = numpy.nan
-    opt.update(lossfun, x, t)
-    numpy.testing.assert_array_equal(bn.avg_mean, before[0])
-    numpy.testing.assert_array_equal(bn.avg_var, before[1])
+    opt.update(lossfun, *send(x, t))
+    numpy.testing.assert_array_equal(host(bn.avg_mean), before[0])
+    numpy.testing.assert_array_equal(host(bn.avg_var), before[1])
 
 
 def test_parallel_block_work_keeps_block_order():

@@ -3,6 +3,7 @@
     mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
     python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
     ... [--mlp [H1,H2]] [--max-load-imbalance X] [--every-step | --inverse-interval N]
+    ... [--device @cupy:0] [--communicator pure_nccl]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
@@ -72,7 +73,12 @@ def main():
     parser.add_argument('--every-step', action='store_true',
                         help='refresh factors and inverses every step')
     parser.add_argument('--inverse-interval', type=int, default=3)
+    parser.add_argument('--device', default='@numpy',
+                        help='Chainer device of the model and batches')
+    parser.add_argument('--communicator', default='naive')
     args = parser.parse_args()
+    device = chainer.get_device(args.device)
+    device.use()
     numpy.random.seed(0)
     model = (MLP(tuple(int(h) for h in args.mlp.split(',')))
              if args.mlp else CNN(args.batch_norm))
@@ -85,7 +91,7 @@ def main():
         acc_iters=args.acc_iters)
     rank, size = 0, 1
     if not args.single:
-        comm = chainerkfac.create_communicator('naive')
+        comm = chainerkfac.create_communicator(args.communicator)
         rank, size = comm.rank, comm.size
         # Different initial weights on other ranks: setup must broadcast.
         if rank:
@@ -93,19 +99,20 @@ def main():
                 p.array[...] = 7.0
         optimizer = chainerkfac.create_multi_node_optimizer(
             optimizer, comm, max_load_imbalance=args.max_load_imbalance)
-    optimizer.setup(model)
+    optimizer.setup(model.to_device(device))
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
     for step in range(STEPS):
         rng = numpy.random.RandomState(step)
         x = rng.randn(GLOBAL_BATCH, 2, 6, 6)
         t = rng.randint(0, 3, GLOBAL_BATCH).astype(numpy.int32)
-        optimizer.update(model, x[rank * b:(rank + 1) * b],
-                         t[rank * b:(rank + 1) * b])
-    params = {n: p.array for n, p in model.namedparams()}
+        optimizer.update(model, device.send(x[rank * b:(rank + 1) * b]),
+                         device.send(t[rank * b:(rank + 1) * b]))
+    host = chainer.backend.CpuDevice().send
+    params = {n: host(p.array) for n, p in model.namedparams()}
     if args.batch_norm and not args.single:
         # Averaged over ranks every step: the replicas agree on them too.
-        params['avg_mean'] = model.bn.avg_mean
+        params['avg_mean'] = host(model.bn.avg_mean)
     if not args.single:
         reference = comm.bcast_obj(params if rank == 0 else None)
         for name, value in params.items():
