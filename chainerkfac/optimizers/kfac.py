@@ -17,6 +17,7 @@ import numbers
 
 import chainer
 import chainer.links as L
+from chainer import backend
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
@@ -392,9 +393,11 @@ class KFAC(optimizer.GradientMethod):
 
     def _check_finite_gradients(self):
         """False (skip) or an error when a gradient is NaN or Inf."""
-        for name, param in self.target.namedparams():
-            xp = param.device.xp
-            if not bool(xp.isfinite(param.grad).all()):
+        named = [(name, param) for name, param in self.target.namedparams()
+                 if param.grad is not None]
+        for name, finite in zip([name for name, _ in named],
+                                _all_finite([p.grad for _, p in named])):
+            if not finite:
                 if self.nonfinite == 'raise':
                     raise base.NonFiniteError(
                         'non-finite gradient in {} at iteration {}; pass '
@@ -455,3 +458,17 @@ class KFAC(optimizer.GradientMethod):
         super().serialize(serializer)
         for block in self.blocks:
             block.serialize(serializer['kfac'][block.name])
+
+
+def _all_finite(arrays):
+    """Whether each array is free of NaN and Inf, as a list of bools.
+
+    The flags of arrays on one device come back in one transfer: on a GPU
+    each read waits for the device, and ResNet-50 has 161 gradients.
+    """
+    if len({backend.get_device_from_array(a).name for a in arrays}) != 1:
+        return [bool(backend.get_array_module(a).isfinite(a).all())
+                for a in arrays]
+    xp = backend.get_array_module(arrays[0])
+    flags = xp.stack([xp.isfinite(a).all() for a in arrays])
+    return backend.CpuDevice().send(flags).tolist()
