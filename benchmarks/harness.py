@@ -65,9 +65,16 @@ class StageTimer:
     :attr:`worker_totals`; :meth:`coarse` splits the wall time of the pool
     (stage ``curvature_pool``) between the stages that ran in it, in
     proportion to their thread-summed times.
+
+    ``synchronize`` (see :func:`synchronizer`) is called at every stage
+    boundary before the clock is read, so that a GPU's queued work counts
+    for the stage that queued it; it also costs the overlap of the host's
+    kernel launches with the device's work, so step totals are taken
+    without it unless a breakdown is asked for.
     """
 
-    def __init__(self):
+    def __init__(self, synchronize=None):
+        self._synchronize = synchronize
         self.totals = collections.defaultdict(float)
         self.worker_totals = collections.defaultdict(float)
         self.calls = collections.Counter()
@@ -83,6 +90,8 @@ class StageTimer:
         return tid, state
 
     def enter(self, name):
+        if self._synchronize is not None:
+            self._synchronize()
         now = time.perf_counter()
         tid, state = self._state()
         stack = state[0]
@@ -95,6 +104,8 @@ class StageTimer:
         state[1] = now
 
     def leave(self):
+        if self._synchronize is not None:
+            self._synchronize()
         now = time.perf_counter()
         tid, state = self._state()
         totals = self.totals if tid == self._thread else self.worker_totals
@@ -134,6 +145,48 @@ class StageTimer:
         for name, value in self.fine().items():
             out[FINE_TO_STAGE.get(name, 'update')] += value
         return out
+
+
+def synchronizer(device):
+    """A function waiting for the work queued on Chainer ``device``, or
+    None for the CPU (NumPy runs synchronously)."""
+    if device.xp is numpy:
+        return None
+    return device.device.synchronize
+
+
+class DevicePeakMemory:
+    """The most bytes CuPy's default memory pool had in use inside a
+    ``with`` block, counted from its use on entering.
+
+    A CuPy memory hook reads the pool after every allocation; the pool's
+    cached free blocks are not counted.
+    """
+
+    def __init__(self):
+        import cupy
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = 'DevicePeakMemory'
+
+            def malloc_postprocess(hook, **kwargs):
+                self.peak = max(self.peak, self._pool.used_bytes())
+
+        self._pool = cupy.get_default_memory_pool()
+        self._hook = Hook()
+        self.peak = self.base = 0
+
+    def __enter__(self):
+        self.peak = self.base = self._pool.used_bytes()
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hook.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return self.peak - self.base
 
 
 class _NullTimer(StageTimer):
@@ -352,8 +405,9 @@ def table(rows, header):
     return '\n'.join(lines)
 
 
-def environment():
-    """What the numbers were measured on."""
+def environment(device=None):
+    """What the numbers were measured on (and the GPU of a CuPy
+    ``device``)."""
     import chainer
     info = {
         'python': sys.version.split()[0],
@@ -374,6 +428,16 @@ def environment():
             for p in threadpoolctl.threadpool_info()]
     except Exception:  # pragma: no cover
         pass
+    if device is not None and device.xp is not numpy:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(device.device.id)
+        info['gpu'] = {
+            'name': props['name'].decode(),
+            'memory_bytes': props['totalGlobalMem'],
+            'cupy': cupy.__version__,
+            'cuda_runtime': cupy.cuda.runtime.runtimeGetVersion(),
+            'cuda_driver': cupy.cuda.runtime.driverGetVersion(),
+            'cudnn': chainer.backends.cuda.cudnn_enabled}
     return info
 
 

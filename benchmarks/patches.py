@@ -75,6 +75,16 @@ def whole_batch():
             'once (the previous implementation)')
 
 
+def im2col_whole_batch():
+    """:func:`im2col` and :func:`whole_batch` together: one im2col of the
+    whole batch and one product per factor, the fewest kernel launches (a
+    candidate for GPUs, where memory is plentiful and launches cost)."""
+    replacements = im2col().replacements + whole_batch().replacements
+    return harness.Patch('im2col_whole_batch', replacements,
+                         doc='A by im2col, every factor from the whole '
+                             'batch at once')
+
+
 # -- Factor updates with factor-sized temporaries -------------------------------
 
 def _take_statistics_copying(self, loss_scale=None):
@@ -171,6 +181,7 @@ PATCHES = {
     'fused_finite': fused_finite,
     'im2col': im2col,
     'whole_batch': whole_batch,
+    'im2col_whole_batch': im2col_whole_batch,
     'fresh_ema': fresh_ema,
     'fresh_sums': fresh_sums,
     'channels_first': channels_first,

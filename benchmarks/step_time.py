@@ -141,9 +141,14 @@ def schedule_fractions(optimizer, start, horizon=1000):
 class Runner:
     """One configuration: its model copy, optimizer and step records."""
 
-    def __init__(self, name, model, make_optimizer, start, patch=None):
+    def __init__(self, name, model, make_optimizer, start, patch=None,
+                 device=None, sync_stages=False):
         self.name = name
         self.model = model
+        self.device = device or chainer.get_device('@numpy')
+        model.to_device(self.device)
+        self.synchronize = harness.synchronizer(self.device)
+        self.sync_stages = sync_stages
         self.optimizer = make_optimizer()
         self.optimizer.setup(model)
         self.start = start or 0
@@ -154,12 +159,14 @@ class Runner:
                                   chainerkfac.optimizers.KFAC)
 
     def step(self, x, t, record):
-        timer = harness.StageTimer()
+        sync = self.synchronize or (lambda: None)
+        timer = harness.StageTimer(sync if self.sync_stages else None)
         model, opt = self.model, self.optimizer
         if self.patch is not None:
             self.patch.apply()
         try:
             with harness.use_timer(timer):
+                sync()
                 t0 = time.perf_counter()
                 model.cleargrads()
                 timer.enter('forward')
@@ -172,6 +179,7 @@ class Runner:
                 timer.enter('optimizer')
                 opt.update()
                 timer.leave()
+                sync()
                 total = time.perf_counter() - t0
         finally:
             if self.patch is not None:
@@ -328,6 +336,8 @@ def report(model_name, batch, results, configs):
             if 'amortised_ratio' in res else '-',
             harness.fmt_bytes(res['state_bytes']) if res['state_bytes']
             else '-',
+        ] + ([harness.fmt_bytes(res['peak_device_bytes'])]
+             if 'peak_device_bytes' in res else []) + [
             ' '.join('{}:{}'.format(k[0], v['n'])
                      for k, v in res['kinds'].items()),
         ])
@@ -335,7 +345,9 @@ def report(model_name, batch, results, configs):
     lines.append(harness.table(rows, [
         'config', 'median step (IQR)', 'stale step', 'amortised',
         'KFAC/SGD per round, stale or all (IQR)', 'amortised KFAC/SGD',
-        'K-FAC state', 'steps timed']))
+        'K-FAC state'] + (['peak GPU memory'] if any(
+            'peak_device_bytes' in results[n] for n in configs) else [])
+        + ['steps timed']))
     lines += ['', 'Median time per stage (s), by kind of step (medians of '
               'each stage and of the total over the steps of that kind, so '
               'the stages need not add up to the total; JSON has means):',
@@ -352,7 +364,9 @@ def report(model_name, batch, results, configs):
     return '\n'.join(lines)
 
 
-def run_model(model_name, configs, steps, warmup, batch, seed, patches):
+def run_model(model_name, configs, steps, warmup, batch, seed, patches,
+              device=None, sync_stages=False):
+    device = device or chainer.get_device('@numpy')
     factory, in_shape, n_classes = models_module.MODELS[model_name]
     rng = numpy.random.RandomState(seed)
     numpy.random.seed(seed)
@@ -371,8 +385,8 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches):
             import patches as patches_module
             patch = patches_module.PATCHES[patch_name]()
         runners.append(Runner(name, copy.deepcopy(prototype), make, start,
-                              patch))
-    del prototype
+                              patch, device, sync_stages))
+    x, t = device.send(x), device.send(t)
     order_rng = numpy.random.RandomState(seed + 1)
     for i in range(warmup + steps):
         # A new order every round: no configuration always runs right
@@ -392,6 +406,11 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches):
                     flush=True)
                 del sgd
     results = analyse(runners)
+    if device.xp is not numpy:
+        peaks = peak_device_memory(prototype, configs, device, x, t)
+        for name in configs:
+            results[name]['peak_device_bytes'] = peaks[name]
+    del prototype
     blocks = runners[-1].optimizer.blocks if runners[-1].is_kfac else []
     info = {'description': models_module.DESCRIPTIONS.get(model_name,
                                                          model_name),
@@ -402,6 +421,30 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches):
                         + (' + patch ' + n.partition('+')[2]
                            if '+' in n else '') for n in configs}}
     return info, results, runners
+
+
+def peak_device_memory(prototype, configs, device, x, t, steps=2):
+    """Most GPU memory each configuration holds in use during its first
+    ``steps`` steps (the first refreshes every factor and inverse), one
+    configuration at a time: its parameters, gradients, optimizer and K-FAC
+    state and the step's temporaries, beyond the batch itself."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    peaks = {}
+    for name in configs:
+        base_name = name.partition('+')[0]
+        _, make, start = CONFIGS[base_name]
+        gc.collect()
+        pool.free_all_blocks()
+        with harness.DevicePeakMemory() as peak:
+            runner = Runner(name, copy.deepcopy(prototype), make, start,
+                            device=device)
+            for _ in range(steps):
+                runner.step(x, t, record=False)
+            del runner
+            gc.collect()
+        peaks[name] = peak.bytes
+    return peaks
 
 
 def main(argv=None):
@@ -427,8 +470,19 @@ def main(argv=None):
     parser.add_argument('--keep-freed-memory', action='store_true',
                         help='glibc keeps freed memory for reuse instead of '
                         'returning it (fresh pages are slow to fault in)')
+    parser.add_argument('--device', default='@numpy',
+                        help="Chainer device, e.g. '@cupy:0' for the first "
+                        'GPU: steps are timed up to the end of their GPU '
+                        'work, and the peak GPU memory of each config is '
+                        'measured after the timed rounds')
+    parser.add_argument('--sync-stages', action='store_true',
+                        help='on a GPU, wait for its work at every stage '
+                        'boundary: a true per-stage breakdown, but the '
+                        'lost overlap of kernel launches inflates totals')
     parser.add_argument('--out', default='step_time.json')
     args = parser.parse_args(argv)
+    device = chainer.get_device(args.device)
+    device.use()
     harness.limit_threads(args.threads)
     if args.keep_freed_memory:
         harness.keep_freed_memory()
@@ -447,7 +501,7 @@ def main(argv=None):
             parser.error('unknown config {!r}'.format(c))
     harness.instrument()
     payload = {'script': 'step_time', 'argv': sys.argv[1:] if argv is None
-               else argv, 'environment': harness.environment(),
+               else argv, 'environment': harness.environment(device),
                'models': {}}
     texts = []
     for model_name in model_names.split(','):
@@ -455,7 +509,8 @@ def main(argv=None):
         print('== {} (batch {}, {} timed rounds of {} configs) =='.format(
             model_name, batch, steps, len(configs)), flush=True)
         info, results, _ = run_model(model_name, configs, steps,
-                                     args.warmup, batch, args.seed, None)
+                                     args.warmup, batch, args.seed, None,
+                                     device, args.sync_stages)
         text = report(model_name, batch, results, configs)
         print(text, flush=True)
         texts.append(text)
