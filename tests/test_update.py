@@ -282,6 +282,19 @@ def test_nan_gradient_raises_by_default():
         opt.update(loss_fn(model), *send(x, t))
 
 
+@pytest.mark.parametrize('bad', [numpy.nan, numpy.inf, -numpy.inf])
+def test_finite_checks_find_the_bad_array_among_many(bad):
+    rng = numpy.random.RandomState(2)
+    arrays = [rng.randn(*shape).astype(dtype) for shape, dtype in zip(
+        [(3, 4), (5,), (2, 3, 3), (1,), (7, 2)] * 3,
+        [numpy.float32, numpy.float64, numpy.float16] * 5)]
+    check = chainerkfac.optimizers.kfac._all_finite
+    assert check(send(*arrays)) == [True] * len(arrays)
+    arrays[7][1, 2, 0] = bad
+    expected = [i != 7 for i in range(len(arrays))]
+    assert check(send(*arrays)) == expected
+
+
 def test_nan_gradient_skipped_when_configured():
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
