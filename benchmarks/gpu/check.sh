@@ -16,8 +16,8 @@ set -u
 OUT=$(realpath -m "${1:?usage: check.sh OUT_DIR [STAGE ...]}")
 shift
 STAGES=${*:-setup probe tests mpi step_time imagenet}
-# ab: A/B of statistics layouts on the GPU (benchmarks/patches.py), not run
-# by default.
+# Not run by default: ab, an A/B of statistics layouts (benchmarks/patches.py);
+# tf32, the step times with CuPy's matrix products in TF32 (CUPY_TF32=1).
 VENV=${GPU_VENV:-/tmp/chainerkfac-gpu}
 PY=$VENV/bin/python
 BASE=${GPU_PYTHON:-python3}
@@ -116,6 +116,12 @@ ab() {
         --device @cupy:0 --sync-stages --configs \
         sgd,kfac_1,kfac_1+im2col,kfac_1+whole_batch,kfac_1+im2col_whole_batch \
         --steps 12 --warmup 2 --out "$OUT/step_time_gpu_ab.json"
+}
+
+tf32() {
+    CUPY_TF32=1 timeout 300 "$PY" benchmarks/step_time.py --models resnet50 \
+        --device @cupy:0 --configs sgd,kfac_1,kfac_10_100,kfac_50_50 \
+        --steps 30 --warmup 3 --out "$OUT/step_time_gpu_tf32.json"
 }
 
 imagenet() {
