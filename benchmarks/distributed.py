@@ -113,6 +113,84 @@ def worker(args):
                        'batch_per_rank': batch}, f)
 
 
+def factorization_worker(args):
+    """Times one Cholesky factorization by rank 0 alone and shared by all
+    ranks (:mod:`chainerkfac.distributed.cholesky`), for each dimension;
+    rank 0 writes the medians."""
+    from chainerkfac import linalg
+    from chainerkfac.distributed import cholesky
+    comm = chainerkfac.create_communicator('naive')
+    ranks = list(range(comm.size))
+    results = []
+    for dim in [int(v) for v in args.factorization.split(',')]:
+        rng = numpy.random.default_rng(dim)
+        X = rng.standard_normal((dim, dim + 64)).astype(numpy.float32)
+        M = X @ X.T / dim
+        alone, shared = [], []
+        for _ in range(args.steps):
+            comm.mpi_comm.Barrier()
+            if comm.rank == 0:
+                t0 = time.perf_counter()
+                expected = linalg.damped_cholesky(M, 0.0)
+                alone.append(time.perf_counter() - t0)
+            comm.mpi_comm.Barrier()
+            t0 = time.perf_counter()
+            L = cholesky.shared_cholesky(
+                comm, ranks, dim, cholesky.lower_panels(M, ranks, comm.rank),
+                M, None)
+            shared.append(comm.mpi_comm.allreduce(
+                time.perf_counter() - t0, op=mpi4py_max()))
+        if comm.rank == 0:
+            error = float(numpy.abs(L - expected).max()
+                          / numpy.abs(expected).max())
+            results.append({
+                'dim': dim, 'alone': float(numpy.median(alone)),
+                'shared': float(numpy.median(shared)),
+                'panels': len(cholesky.panel_bounds(dim, comm.size)),
+                'max_relative_difference': error})
+    if comm.rank == 0:
+        with open(args.worker_out, 'w') as f:
+            json.dump({'size': comm.size, 'results': results}, f)
+
+
+def mpi4py_max():
+    import mpi4py.MPI
+    return mpi4py.MPI.MAX
+
+
+def run_factorization(args):
+    """``mpiexec -n 2`` on :func:`factorization_worker`."""
+    out = os.path.join(harness.results_dir(), '.distributed_chol.json')
+    cmd = [os.path.join(os.path.dirname(sys.executable), 'mpiexec'), '-n',
+           '2', sys.executable, os.path.abspath(__file__), '--worker',
+           '--worker-kind', 'factorization', '--worker-out', out,
+           '--factorization', args.factorization,
+           '--steps', str(args.steps)]
+    print('$', ' '.join(cmd[:3]), '... --factorization', flush=True)
+    proc = subprocess.run(cmd, env=_worker_env(args), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        raise SystemExit('mpiexec -n 2 --factorization failed')
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    return result
+
+
+def factorization_table(result):
+    rows = [[str(r['dim']), str(r['panels']),
+             harness.fmt_s(r['alone']),
+             harness.fmt_s(r['shared']),
+             '{:.2f}'.format(r['shared'] / r['alone']),
+             '{:.1e}'.format(r['max_relative_difference'])]
+            for r in result['results']]
+    return harness.table(rows, [
+        'dim', 'panels', 'rank 0 alone (potrf)',
+        '{} ranks together (slowest rank)'.format(result['size']),
+        'shared / alone', 'max difference / max |L|'])
+
+
 def _imbalance_option(text):
     return None if text == 'none' else float(text)
 
@@ -169,16 +247,10 @@ def run_mpi(args, runs):
                str(args.interval), '--max-load-imbalance', max_imbalance]
         if args.batch and model == args.model:
             cmd += ['--batch', str(args.batch)]
-        env = dict(os.environ)
-        env['PYTHONPATH'] = os.pathsep.join(
-            [os.path.dirname(HERE)] + [p for p in env.get(
-                'PYTHONPATH', '').split(os.pathsep) if p])
-        if args.threads:
-            env['OPENBLAS_NUM_THREADS'] = str(args.threads)
-            env['OMP_NUM_THREADS'] = str(args.threads)
         print('$', ' '.join(cmd[:3]), '...', flush=True)
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=_worker_env(args), capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:])
             raise SystemExit('mpiexec -n {} failed'.format(size))
@@ -195,6 +267,17 @@ def run_mpi(args, runs):
         print('  {}: {:.0f} s'.format(key, time.time() - t0),
               flush=True)
     return results
+
+
+def _worker_env(args):
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        [os.path.dirname(HERE)] + [p for p in env.get(
+            'PYTHONPATH', '').split(os.pathsep) if p])
+    if args.threads:
+        env['OPENBLAS_NUM_THREADS'] = str(args.threads)
+        env['OMP_NUM_THREADS'] = str(args.threads)
+    return env
 
 
 def mpi_tables(results):
@@ -339,6 +422,8 @@ def main(argv=None):
     parser.add_argument('--worker', action='store_true',
                         help=argparse.SUPPRESS)
     parser.add_argument('--worker-out', help=argparse.SUPPRESS)
+    parser.add_argument('--worker-kind', default='steps',
+                        help=argparse.SUPPRESS)
     parser.add_argument('--model', default='resnet50_w4_32')
     parser.add_argument('--batch', type=int, default=None)
     parser.add_argument('--ranks', default='1,2,4')
@@ -354,6 +439,9 @@ def main(argv=None):
     parser.add_argument('--split-model', default='wide_mlp',
                         help="model of the split comparison ('none' skips "
                         'it)')
+    parser.add_argument('--factorization', default='1152,2304,4608',
+                        help='dimensions of the shared Cholesky timing '
+                        "under mpiexec -n 2 ('none' skips it)")
     parser.add_argument('--skip-mpi', action='store_true')
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--out', default='distributed.json')
@@ -361,19 +449,23 @@ def main(argv=None):
     if args.steps is None:
         args.steps = 10 if args.quick else 40
     if args.worker:
-        return worker(args)
+        return (factorization_worker(args)
+                if args.worker_kind == 'factorization' else worker(args))
     payload = {'script': 'distributed', 'argv': sys.argv[1:],
                'environment': harness.environment(), 'model': args.model,
                'interval': args.interval}
     texts = []
+
+    def emit(text):
+        texts.append(text)
+        print(text, flush=True)
     if not args.skip_mpi:
         results = run_mpi(args, [
             (str(size), size, args.model, args.max_load_imbalance)
             for size in [int(v) for v in args.ranks.split(',')]])
         payload['mpi'] = results
         text = mpi_tables(results)
-        texts.append(text)
-        print(text, flush=True)
+        emit(text)
     if not args.skip_mpi and args.split_model != 'none':
         results = run_mpi(args, [
             ('-n 2, one owner', 2, args.split_model, 'none'),
@@ -384,8 +476,16 @@ def main(argv=None):
                 '(`max_load_imbalance=1.1`); stage times: median over steps '
                 'of the slowest rank / of the mean rank.\n\n'.format(
                     args.split_model) + split_table(results))
-        texts.append(text)
-        print(text, flush=True)
+        emit(text)
+    if not args.skip_mpi and args.factorization != 'none':
+        result = run_factorization(args)
+        payload['factorization'] = result
+        text = ('One Cholesky factorization of a float32 factor, by rank 0 '
+                'alone (LAPACK potrf) and shared by the ranks of '
+                '`mpiexec -n 2` (chainerkfac.distributed.cholesky), one '
+                'BLAS thread a rank; medians of {} runs.\n\n'.format(
+                    args.steps) + factorization_table(result))
+        emit(text)
     imb = imbalance()
     payload['imbalance'] = imb
     text = ('Load imbalance (max/mean rank cost) of ResNet-50\'s {} blocks '

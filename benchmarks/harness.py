@@ -286,9 +286,16 @@ def instrument():
     try:
         from chainerkfac.distributed import communicator
         for name in ('reduce_scatter_v', 'all_gather_v', 'alltoall_v',
-                     'allreduce_mean', 'bcast_array'):
-            _wrap(communicator.KfacCommunicatorMixin, name, 'communication')
+                     'allreduce_mean', 'bcast_array', 'group_bcast'):
+            if name in communicator.KfacCommunicatorMixin.__dict__:
+                _wrap(communicator.KfacCommunicatorMixin, name,
+                      'communication')
     except ImportError:  # pragma: no cover
+        pass
+    try:
+        from chainerkfac.distributed import cholesky
+        _wrap_function(cholesky, 'shared_cholesky', 'inversion')
+    except ImportError:  # a library without shared factorizations
         pass
 
 

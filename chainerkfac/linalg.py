@@ -104,11 +104,42 @@ def _cholesky_inverse(M):
         upper = _upper_mask(xp, M.shape[0], backend.get_device_from_array(M))
         numpy.copyto(inv, inv.T, where=upper.T)
         return inv
-    import cupyx.scipy.linalg
     L = _cholesky(M)
-    eye = xp.eye(M.shape[0], dtype=M.dtype)
-    L_inv = cupyx.scipy.linalg.solve_triangular(L, eye, lower=True)
+    L_inv = _solve_lower(L, xp.eye(M.shape[0], dtype=M.dtype))
     return L_inv.T @ L_inv
+
+
+def _solve_lower(L, B, trans='N'):
+    """``L⁻¹ B`` (``L⁻ᵀ B`` for ``trans='T'``) for a lower-triangular
+    ``L``."""
+    if backend.get_array_module(L) is numpy:
+        import scipy.linalg
+        return scipy.linalg.solve_triangular(L, B, trans=trans, lower=True,
+                                             check_finite=False)
+    import cupyx.scipy.linalg
+    return cupyx.scipy.linalg.solve_triangular(L, B, trans=trans, lower=True)
+
+
+def cholesky_panel(panel):
+    """One step of a blocked Cholesky factorization ``M = L Lᵀ``, in place.
+
+    ``panel`` holds columns ``j:j+w`` of a symmetric positive-definite
+    ``M`` from row ``j`` down, ``[M_jj; M_rj]``, from which the panels to
+    its left were already subtracted (``M_·j - Σ L_·k L_jkᵀ``). It becomes
+    the same columns of ``L``::
+
+        L_jj = chol(M_jj),    L_rj = M_rj L_jj⁻ᵀ
+
+    Raises ``numpy.linalg.LinAlgError`` when ``M_jj`` is not positive
+    definite. :func:`chainerkfac.distributed.cholesky.shared_cholesky`
+    shares a factorization between ranks this way, panel by panel.
+    """
+    w = panel.shape[1]
+    L_jj = _cholesky(panel[:w])
+    panel[:w] = L_jj
+    if len(panel) > w:
+        panel[w:] = _solve_lower(L_jj, panel[w:].T).T
+    return panel
 
 
 def symmetric_eigh(M):
@@ -130,9 +161,7 @@ def _damped(M, damping, factorize):
     eigenvalues floored at a positive value.
     """
     xp = backend.get_array_module(M)
-    if not bool(xp.isfinite(M).all()):
-        raise FloatingPointError('cannot invert a factor with NaN or Inf')
-    damped = add_diagonal(M, damping)
+    damped = damped_factor(M, damping)
     scale = float(xp.abs(xp.diagonal(damped)).mean()) or 1.0
     jitter = 0.0
     for k in range(_JITTER_TRIES):
@@ -148,6 +177,16 @@ def _damped(M, damping, factorize):
     w, Q = symmetric_eigh(M)
     floor = max(damping, scale * _JITTER_START * 10 ** _JITTER_TRIES)
     return factorize((Q * (w + floor)) @ Q.T)
+
+
+def damped_factor(M, damping):
+    """``M + damping I`` for a factor ``M`` free of NaN and Inf (else
+    ``FloatingPointError``): what every inverse and Cholesky factor here is
+    taken of."""
+    xp = backend.get_array_module(M)
+    if not bool(xp.isfinite(M).all()):
+        raise FloatingPointError('cannot invert a factor with NaN or Inf')
+    return add_diagonal(M, damping)
 
 
 def damped_inverse(M, damping):
@@ -209,9 +248,7 @@ def _cholesky_solve(L, B):
         if info != 0:
             raise numpy.linalg.LinAlgError('potrs failed')
         return X
-    import cupyx.scipy.linalg
-    Y = cupyx.scipy.linalg.solve_triangular(L, B, lower=True)
-    return cupyx.scipy.linalg.solve_triangular(L, Y, lower=True, trans='T')
+    return _solve_lower(L, _solve_lower(L, B), trans='T')
 
 
 def cholesky_precondition(grad, L_A, L_G):

@@ -96,6 +96,7 @@ def test_world_size_one_is_copies_without_mpi(single):
     numpy.testing.assert_array_equal(out, x)
     assert single.allreduce_mean(x) is x
     assert single.bcast_array(x) is x
+    assert single.group_bcast(x, 0, [0]) is x
     numpy.testing.assert_array_equal(x, numpy.arange(5.0))
 
     link = L.Linear(3, 2)
@@ -120,6 +121,9 @@ def test_world_size_one_is_copies_without_mpi(single):
     (lambda c: c.all_gather_v(numpy.zeros(3), [2]), 'counts\\[0\\] is 2'),
     (lambda c: c.allreduce_mean(numpy.zeros((3, 2)).T), 'C-contiguous'),
     (lambda c: c.bcast_array(numpy.zeros(3, dtype=numpy.int64)), 'float'),
+    (lambda c: c.group_bcast(numpy.zeros(3), 1, [0]), 'root 1 needs'),
+    (lambda c: c.group_bcast(numpy.zeros(3), 0, [0, 0]), 'distinct ranks'),
+    (lambda c: c.group_bcast(numpy.zeros(3), 0, [0, 1]), 'below 1'),
 ])
 def test_invalid_arguments(single, call, match):
     with pytest.raises(ValueError, match=match):

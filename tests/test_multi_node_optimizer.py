@@ -57,10 +57,11 @@ def test_distributed_equals_single_process(tmp_path, inverse):
     (4, [], {'fc1': (2, 50, 'cholesky', False),
              'fc2': (2, 51, 'cholesky', False)}),
     # Hidden widths 80, 20: fc1 (A 73, G 80) explicit, fc2 (A 81, G 20)
-    # Cholesky, both split by rows; refreshing costs each owner more than
-    # a part, so the owners compute no rows.
+    # Cholesky, both split by rows. Refreshing fc1 costs its owner more
+    # than a part, so it computes no rows; fc2's three ranks factor A_d
+    # together (two panels: one rank receives the factor only).
     (4, ['80,20'], {'fc1': (4, 80, 'explicit', True),
-                    'fc2': (4, 20, 'cholesky', True)}),
+                    'fc2': (3, 20, 'cholesky', False)}),
 ])
 def test_split_blocks_equal_single_process(tmp_path, n, options, parts):
     # Blocks split over ranks (max_load_imbalance=1.0): the parts of the

@@ -74,7 +74,9 @@ class FisherBlock:
         #: (:meth:`BlockCost.shard_costs
         #: <chainerkfac.curvature.cost.BlockCost.shard_costs>`):
         #: ``'explicit'`` inverses, or ``'cholesky'``, the larger factor's
-        #: Cholesky factor and the smaller factor's inverse.
+        #: Cholesky factor (which the block's ranks compute together,
+        #: :mod:`chainerkfac.distributed.cholesky`) and the smaller factor's
+        #: inverse.
         self.inverse_form = None
 
     @classmethod

@@ -140,9 +140,11 @@ class BlockCost:
           side, ``V[I, :] = (G⁻¹[I, :] ∇W̄) A⁻¹`` by triangular solves
           (:func:`chainerkfac.linalg.mixed_precondition`). A part costs
           ``w (2 d_G² d_A + (1 + 1/C) 2 d_A² d_G)`` and needs ``L_A`` whole
-          and rows of ``G⁻¹``. The owner pays ``R = f s (d_A³ / 3 +
-          d_G³)``: no rank forms the larger inverse, which held the owner
-          back when inverses are refreshed often.
+          and rows of ``G⁻¹``. The ``shards`` ranks compute ``L_A``
+          together (:mod:`chainerkfac.distributed.cholesky`): each pays
+          ``f d_A³ / (3 shards)`` of trailing updates, matrix products at
+          full speed, and ends with ``L_A`` whole; the owner also inverts
+          ``G``, ``R = f s d_G³`` more.
 
         ``s`` is :data:`LAPACK_SLOWDOWN`. With ``Q`` the whole block's work
         on the parts (``P`` or the sum above), the owner's smaller share
@@ -168,14 +170,17 @@ class BlockCost:
                              'over ranks, not {!r} ones'.format(
                                  self.name, self.kind))
         if self.explicit_form(f):
+            shared = 0.0
             refresh = f * LAPACK_SLOWDOWN * self.inverse_cost
             split = self.precondition_cost
         else:
             short, long = sorted(self.dims)
-            refresh = f * LAPACK_SLOWDOWN * (long ** 3 / 3 + short ** 3)
+            shared = f * long ** 3 / (3 * k)
+            refresh = f * LAPACK_SLOWDOWN * short ** 3
             split = 2 * short * long * (
                 short + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN) * long)
         owner = max(0.0, (split - (k - 1) * refresh) / (k * split))
         other = (1 - owner) / (k - 1)
         return ((owner,) + (other,) * (k - 1),
-                (refresh + owner * split,) + (other * split,) * (k - 1))
+                (shared + refresh + owner * split,)
+                + (shared + other * split,) * (k - 1))

@@ -154,18 +154,48 @@ class KroneckerBlock(base.FisherBlock):
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
         if self.inverse_form == 'cholesky':
             # Split over ranks: only the larger factor stays a Cholesky
-            # factor (BlockCost.shard_costs).
+            # factor (BlockCost.shard_costs), and the block's ranks compute
+            # it together: it waits damped for set_shared_cholesky.
             if len(A) >= len(G):
-                return {'A_chol': linalg.damped_cholesky(A, damping_A),
+                return {'A_damped': linalg.damped_factor(A, damping_A),
                         'G_inv': linalg.damped_inverse(G, damping_G)}
             return {'A_inv': linalg.damped_inverse(A, damping_A),
-                    'G_chol': linalg.damped_cholesky(G, damping_G)}
+                    'G_damped': linalg.damped_factor(G, damping_G)}
         if self.inverse_form == 'explicit' or \
                 linalg.explicit_inverse_pays(len(A), len(G), reuse):
             return {'A_inv': linalg.damped_inverse(A, damping_A),
                     'G_inv': linalg.damped_inverse(G, damping_G)}
         return {'A_chol': linalg.damped_cholesky(A, damping_A),
                 'G_chol': linalg.damped_cholesky(G, damping_G)}
+
+    def shared_factor(self):
+        """``(factor, M)``: the damped factor ``M`` (``'A'`` or ``'G'``)
+        whose Cholesky factor the ranks of a split block compute together
+        after a refresh in the ``'cholesky'`` :attr:`inverse_form`
+        (:func:`chainerkfac.distributed.cholesky.shared_cholesky`), or
+        ``None``."""
+        for f in self.factors:
+            if f + '_damped' in self.inverse_state:
+                return f, self.inverse_state[f + '_damped']
+        return None
+
+    def set_shared_cholesky(self, L):
+        """Completes the refresh that :meth:`shared_factor` left open with
+        the Cholesky factor ``L`` the block's ranks computed."""
+        f, _ = self.shared_factor()
+        del self.inverse_state[f + '_damped']
+        self.inverse_state[f + '_chol'] = L
+
+    def cholesky_alone(self):
+        """The Cholesky factor of :meth:`shared_factor`, computed by the
+        owner alone as an unsplit block would: with jitter, else through
+        the eigenvalues (:func:`chainerkfac.linalg.damped_cholesky`), for
+        a factor that a shared factorization found not positive
+        definite."""
+        f, _ = self.shared_factor()
+        damping = dict(zip(self.factors, linalg.factored_damping(
+            self.factor['A'], self.factor['G'], self._damping_used)))
+        return linalg.damped_cholesky(self.factor[f], damping[f])
 
     def inverse_keys(self):
         if self.inverse == 'eigen':

@@ -15,6 +15,9 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
   the owner of a block whose preconditioning is split over ranks hands
   each of them what its part needs (slices of the inverses, a Cholesky
   factor);
+* :meth:`~KfacCommunicatorMixin.group_bcast` (stage 4): the ranks of a
+  split block factor its larger Kronecker factor together, one column panel
+  after another (:mod:`chainerkfac.distributed.cholesky`);
 * :meth:`~KfacCommunicatorMixin.allreduce_mean` and
   :meth:`~KfacCommunicatorMixin.bcast_array` for the rest.
 
@@ -38,7 +41,7 @@ import chainer
 
 #: The keys of :attr:`KfacCommunicatorMixin.bytes_moved`. ``'allreduce'``
 #: counts ``allreduce_mean`` and ``multi_node_mean_grad``; ``'bcast'`` counts
-#: ``bcast_array`` and ``bcast_data``.
+#: ``bcast_array``, ``bcast_data`` and ``group_bcast``.
 COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
                'bcast')
 
@@ -113,7 +116,8 @@ class KfacCommunicatorMixin:
     ``_reduce_scatter_v(sendbuf, counts)``, ``_all_gather_v(sendbuf,
     counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
     ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
-    (in place), ``_allreduce_max(value)`` (a Python float) and the wire item
+    (in place), ``_group_bcast(array, root, others)`` (in place, point to
+    point), ``_allreduce_max(value)`` (a Python float) and the wire item
     sizes of ``multi_node_mean_grad`` and ``bcast_data``.
 
     Arrays are flat and of any array module (``chainer.backend
@@ -277,6 +281,34 @@ class KfacCommunicatorMixin:
             return array
         self._bcast(array, root)
         self._count('bcast', array.nbytes)
+        return array
+
+    def group_bcast(self, array, root, ranks):
+        """Overwrites ``array`` with its value on ``root`` on the ``ranks``
+        only, in place, and returns it.
+
+        Only the ranks of the group call it, with arrays of the same shape
+        and dtype (in their own dtype: they are Cholesky panels); the others
+        go on with their own work. The root sends one message to each other
+        rank (MPI or NCCL point to point, no sub-communicator to set up).
+        Ranks that take part in several groups must call in the same order
+        (the stages go by block, then by panel), so that every send meets
+        its receive. The root counts ``len(ranks) - 1`` copies under
+        ``'bcast'``.
+        """
+        self._check_contiguous_float(array)
+        ranks = [int(r) for r in ranks]
+        if root not in ranks or self.rank not in ranks or \
+                len(set(ranks)) != len(ranks) or \
+                not all(0 <= r < self.size for r in ranks):
+            raise ValueError('group_bcast: rank {} with root {} needs '
+                             'distinct ranks below {} holding both, got '
+                             '{!r}'.format(self.rank, root, self.size, ranks))
+        if len(ranks) == 1:
+            return array
+        self._group_bcast(array, root, [r for r in ranks if r != root])
+        if self.rank == root:
+            self._count('bcast', array.nbytes * (len(ranks) - 1))
         return array
 
     # ChainerMN's model-wide collectives, counted and free at size 1.

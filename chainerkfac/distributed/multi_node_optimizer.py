@@ -30,6 +30,7 @@ from chainer import backend
 from chainerkfac import cpu_parallel
 from chainerkfac import linalg
 from chainerkfac.distributed import assignment as assignment_module
+from chainerkfac.distributed import cholesky
 from chainerkfac.distributed import communicator as communicator_module
 from chainerkfac.optimizers import kfac
 
@@ -280,12 +281,53 @@ class HybridParallelStages(kfac.LocalStages):
                 if s > 0 and holder == rank
                 and self._bounds[i][s][0] < self._bounds[i][s][1]]
 
+    def _factor_ranks(self, i):
+        """The ranks that factor split block ``i``'s larger factor
+        together in the ``'cholesky'`` form: its owner, then the ranks of
+        its non-empty other parts."""
+        shards, bounds = self.assignment.shards[i], self._bounds[i]
+        return (shards[0],) + tuple(
+            rank for rank, (start, stop) in zip(shards[1:], bounds[1:])
+            if start < stop)
+
+    def _payload(self, block, i, s, dest, fresh):
+        """What the owner sends rank ``dest`` for part ``s`` of block
+        ``i``: ``(flag, {key: array})``. Flag 0: nothing new; 1: the
+        part's inverses, when refreshed (``fresh`` holds the ids of the
+        blocks refreshed this step) or on a process's first step (:meth:`KroneckerBlock.inverse_part
+        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`);
+        2: a refresh in the ``'cholesky'`` form, the slice of the smaller
+        inverse and ``dest``'s panels of the larger damped factor, which
+        the block's ranks then factor together."""
+        if block.shared_factor() is not None:
+            f, M = block.shared_factor()
+            inverses = block.inverse_part(*self._bounds[i][s])
+            del inverses[f + '_damped']
+            for p, panel in cholesky.lower_panels(
+                    M, self._factor_ranks(i), dest).items():
+                inverses['panel{}'.format(p)] = panel
+            return 2, inverses
+        if block.ready() and (self._send_all_inverses or id(block) in fresh):
+            return 1, block.inverse_part(*self._bounds[i][s])
+        return 0, {}
+
+    def _payload_shapes(self, block, i, s, flag):
+        shapes = block.inverse_part_shapes(*self._bounds[i][s])
+        if flag == 2:
+            chol, = [key for key in shapes if key.endswith('_chol')]
+            dim = shapes.pop(chol)[0]
+            for p, shape in cholesky.panel_shapes(
+                    dim, self._factor_ranks(i), self.comm.rank).items():
+                shapes['panel{}'.format(p)] = shape
+        return shapes
+
     def share_inverses(self, optimizer, refreshed):
         """Owners of split blocks send each other rank of the block what
-        its part needs (:meth:`KroneckerBlock.inverse_part
-        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`),
-        after one flag per part saying whether anything new follows. A
-        Cholesky factor travels as its lower triangle."""
+        its part needs, after one flag per part saying what follows (see
+        :meth:`_payload`); a Cholesky factor travels as its lower triangle.
+        Then the ranks of each block refreshed in the ``'cholesky'`` form
+        factor its larger damped factor together, block by block
+        (:func:`chainerkfac.distributed.cholesky.shared_cholesky`)."""
         if not self.assignment.split_blocks:
             return
         blocks = optimizer.blocks
@@ -298,36 +340,50 @@ class HybridParallelStages(kfac.LocalStages):
             for i, s in self._inverse_deliveries(dest):
                 if owners[i] != rank:
                     continue
-                block = blocks[i]
-                send = block.ready() and (
-                    self._send_all_inverses or id(block) in fresh)
-                parts.append(xp.asarray([float(send)], dtype=dtype))
-                counts[dest] += 1
-                if send:
-                    inverses = block.inverse_part(*self._bounds[i][s])
-                    packed = [_pack_part(k, inverses[k])
-                              for k in sorted(inverses)]
-                    parts += packed
-                    counts[dest] += sum(a.size for a in packed)
+                flag, inverses = self._payload(blocks[i], i, s, dest, fresh)
+                packed = [xp.asarray([flag], dtype=dtype)] + [
+                    _pack_part(k, inverses[k]) for k in sorted(inverses)]
+                parts += packed
+                counts[dest] += sum(a.size for a in packed)
         send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
         received, _ = self.comm.alltoall_v(send_buffer, counts)
         self._send_all_inverses = False
-        offset = 0
+        offset, panels = 0, {}
         for source in range(self.comm.size):
             for i, s in self._inverse_deliveries(rank):
                 if owners[i] != source:
                     continue
+                flag = int(received[offset])
                 offset += 1
-                if not received[offset - 1]:
+                if not flag:
                     continue
-                shapes = blocks[i].inverse_part_shapes(*self._bounds[i][s])
+                shapes = self._payload_shapes(blocks[i], i, s, flag)
                 inverses = {}
                 for key in sorted(shapes):
                     size = _part_size(key, shapes[key])
                     inverses[key] = _unpack_part(
                         key, received[offset:offset + size], shapes[key])
                     offset += size
+                if flag == 2:
+                    panels[i] = {int(key[5:]): inverses.pop(key)
+                                 for key in list(inverses)
+                                 if key.startswith('panel')}
                 self._part_inverses[i] = inverses
+        for i in self.assignment.split_blocks:
+            block = blocks[i]
+            ranks = self._factor_ranks(i)
+            if owners[i] == rank and block.shared_factor() is not None:
+                _, M = block.shared_factor()
+                block.set_shared_cholesky(cholesky.shared_cholesky(
+                    self.comm, ranks, len(M),
+                    cholesky.lower_panels(M, ranks, rank), M,
+                    block.cholesky_alone))
+            elif i in panels:
+                inverses = self._part_inverses[i]
+                f = 'A' if 'G_inv' in inverses else 'G'
+                dim = block.assignment_cost()[1][f == 'G']
+                inverses[f + '_chol'] = cholesky.shared_cholesky(
+                    self.comm, ranks, dim, panels[i], received, None)
 
     def precondition(self, optimizer, weight_decay):
         blocks = optimizer.blocks

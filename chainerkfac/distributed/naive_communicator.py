@@ -26,6 +26,10 @@ class NaiveCommunicator(KfacCommunicatorMixin,
     def __init__(self, mpi_comm, transport_dtype=None):
         super().__init__(mpi_comm)
         self._init_kfac(transport_dtype)
+        # A communicator of its own keeps group broadcasts from matching
+        # other point-to-point traffic on the user's; Dup is collective,
+        # so it cannot wait for the first group broadcast.
+        self._group_comm = mpi_comm.Dup()
 
     def _reduce_scatter_v(self, sendbuf, counts):
         xp = chainer.backend.get_array_module(sendbuf)
@@ -57,6 +61,14 @@ class NaiveCommunicator(KfacCommunicatorMixin,
     def _bcast(self, array, root):
         _wait_for_device(chainer.backend.get_array_module(array))
         self.mpi_comm.Bcast(array, root=root)
+
+    def _group_bcast(self, array, root, others):
+        _wait_for_device(chainer.backend.get_array_module(array))
+        if self.rank == root:
+            mpi4py.MPI.Request.Waitall(
+                [self._group_comm.Isend(array, dest=r) for r in others])
+        else:
+            self._group_comm.Recv(array, source=root)
 
     def _allreduce_max(self, value):
         buf = numpy.array([value], dtype=numpy.float64)

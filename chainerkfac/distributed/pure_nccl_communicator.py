@@ -4,7 +4,8 @@ NCCL has no ``v`` (uneven) collectives: the reduce-scatter-v is one NCCL
 reduce per owner, the all-gather-v one broadcast per rank and the
 all-to-all-v one send and one receive per peer (NCCL 2.7 or later), each
 grouped into a single NCCL launch, so every element still travels once, as
-in ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` / ``MPI_Alltoallv``.
+in ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` / ``MPI_Alltoallv``. A
+group broadcast is the root's sends to the other ranks of the group.
 Importing this module needs CuPy with NCCL. See :mod:`chainerkfac.distributed.communicator`.
 """
 import cupy
@@ -108,6 +109,22 @@ class PureNcclCommunicator(KfacCommunicatorMixin,
             array.data.ptr, array.size,
             _communication_utility._get_nccl_type_id(array.dtype), root,
             chainer.cuda.Stream.null.ptr)
+
+    def _group_bcast(self, array, root, others):
+        self._init_comms()
+        type_id = _communication_utility._get_nccl_type_id(array.dtype)
+        stream = chainer.cuda.Stream.null.ptr
+        nccl.groupStart()
+        try:
+            if self.rank == root:
+                for peer in others:
+                    self.nccl_comm.send(array.data.ptr, array.size, type_id,
+                                        peer, stream)
+            else:
+                self.nccl_comm.recv(array.data.ptr, array.size, type_id,
+                                    root, stream)
+        finally:
+            nccl.groupEnd()
 
     def _allreduce_max(self, value):
         self._init_comms()

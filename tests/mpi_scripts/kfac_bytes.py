@@ -12,8 +12,9 @@ of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
 explicit inverses and one with Cholesky factors: each part with rows or
 columns to compute receives the block's gradient, and the owner sends each
 other part one flag every step and, when it refreshed the block, what the
-part needs (inverse slices; both Cholesky factors whole). Exits non-zero on
-a mismatch.
+part needs: inverse slices, and for the Cholesky form the part's panels of
+the larger damped factor, which the ranks then factor together, each
+broadcasting its panels. Exits non-zero on a mismatch.
 """
 import sys
 
@@ -23,6 +24,7 @@ import chainer.functions as F
 import chainer.links as L
 import numpy
 
+from chainerkfac.distributed import cholesky
 from tests import split_model
 
 
@@ -45,7 +47,7 @@ def main():
     model = CNN()
     optimizer = chainerkfac.create_multi_node_optimizer(
         chainerkfac.optimizers.KFAC(factor_interval=3, inverse_interval=3),
-        comm)
+        comm, max_load_imbalance=None)  # every block on one rank
     optimizer.setup(model)
     itemsize = 4
     grads = sum(p.size for b in optimizer.blocks for p in b.params())
@@ -114,7 +116,10 @@ def main_split():
                  for i in assignment.split_blocks]
         assert forms == ['explicit', 'cholesky'], (forms, assignment)
         refresh = step in (1, 4)
-        scattered = gathered = sent = 0
+        scattered = gathered = sent = broadcast = 0
+        if step == 1:
+            # The parameters of rank 0, broadcast before the first update.
+            broadcast += sum(p.size for p in model.params())
         for i, block in enumerate(optimizer.blocks):
             grad = block.gradient().size
             d_a, d_g = block.assignment_cost()[1]
@@ -124,23 +129,38 @@ def main_split():
             if refresh:
                 scattered += d_a * (d_a + 1) // 2 + d_g * (d_g + 1) // 2
                 gathered += 2
+            shared = refresh and block.inverse_form == 'cholesky'
+            if shared:
+                # The ranks factoring the larger damped factor together.
+                ranks = stages._factor_ranks(i)
+                dim = max(d_a, d_g)
+
+                def panels(rank):
+                    return sum(h * w for h, w in cholesky.panel_shapes(
+                        dim, ranks, rank).values())
+
+                # Each of them broadcasts its panels to the others.
+                if comm.rank in ranks:
+                    broadcast += panels(comm.rank) * (len(ranks) - 1)
             if assignment.owners[i] != comm.rank:
                 continue
-            for start, stop in bounds[1:]:
-                if stop > start:
-                    sent += 1
-                    if not refresh:
-                        continue
-                    for key, shape in block.inverse_part_shapes(
-                            start, stop).items():
-                        # A Cholesky factor travels as its lower triangle.
-                        sent += (shape[0] * (shape[0] + 1) // 2
-                                 if key.endswith('_chol')
-                                 else int(numpy.prod(shape)))
+            for rank, (start, stop) in zip(assignment.shards[i][1:],
+                                           bounds[1:]):
+                if stop == start:
+                    continue
+                sent += 1
+                if not refresh:
+                    continue
+                for key, shape in block.inverse_part_shapes(
+                        start, stop).items():
+                    # The Cholesky factor's place: the part's panels.
+                    sent += (panels(rank) if key.endswith('_chol')
+                             else int(numpy.prod(shape)))
         expected = {
             'kfac/bytes/reduce_scatter_v': scattered * itemsize,
             'kfac/bytes/all_gather_v': gathered * itemsize,
             'kfac/bytes/alltoall_v': sent * itemsize,
+            'kfac/bytes/bcast': broadcast * itemsize,
         }
         for key, value in expected.items():
             assert observation[key] == value, (step, key, observation[key],
