@@ -97,6 +97,7 @@ def test_world_size_one_is_copies_without_mpi(single):
     assert single.allreduce_mean(x) is x
     assert single.bcast_array(x) is x
     assert single.group_bcast(x, 0, [0]) is x
+    single.group_bcast(x, 0, [0], wait=False)()
     numpy.testing.assert_array_equal(x, numpy.arange(5.0))
 
     link = L.Linear(3, 2)

@@ -16,6 +16,11 @@ together, right-looking and by column panels, dealt out round-robin
         group_bcast of [L_jj; L_rj] to the other ranks of the block
         every rank: M_·q -= L_·j L_qjᵀ for each of its panels q right of j
 
+The rank of panel ``p + 1`` updates, factors and sends it first, before
+its other updates (lookahead, without waiting for its sends to arrive), so
+the panels' own factorizations overlap the other ranks' updates instead of
+holding them up.
+
 The trailing updates, all but ``O(d² b)`` of the ``d³/3`` operations, are
 matrix products spread evenly over the ranks (four panels a rank or more),
 and every rank ends with the whole ``L``, which its part of the
@@ -92,28 +97,47 @@ def shared_cholesky(comm, ranks, dim, mine, like, alone):
     """
     xp, dtype = backend.get_array_module(like), like.dtype
     k = len(ranks)
+    bounds = panel_bounds(dim, k)
     L = xp.zeros((dim, dim), dtype=dtype, order='F')
-    for p, (start, stop) in enumerate(panel_bounds(dim, k)):
+    ready, sends = {}, []
+
+    def factor_and_send(p):
+        panel = mine.pop(p)
+        try:
+            linalg.cholesky_panel(panel)
+        except numpy.linalg.LinAlgError:
+            panel[...] = math.nan
+        ready[p] = panel
+        sends.append(comm.group_bcast(panel, comm.rank, ranks, wait=False))
+
+    if ranks[0] == comm.rank:
+        factor_and_send(0)
+    for p, (start, stop) in enumerate(bounds):
         root = ranks[p % k]
         if root == comm.rank:
-            panel = mine.pop(p)
-            try:
-                linalg.cholesky_panel(panel)
-            except numpy.linalg.LinAlgError:
-                panel[...] = math.nan
+            panel = ready.pop(p)
         else:
             panel = xp.empty((dim - start, stop - start), dtype=dtype)
-        comm.group_bcast(panel, root, ranks)
+            comm.group_bcast(panel, root, ranks)
         if not math.isfinite(float(panel[0, 0])):
+            for wait in sends:
+                wait()
             # Lᵀ in C order is L in Fortran order.
             transposed = xp.empty((dim, dim), dtype=dtype)
             if comm.rank == ranks[0]:
                 transposed[...] = alone().T
             return comm.group_bcast(transposed, ranks[0], ranks).T
         L[start:, start:stop] = panel
-        for q, right in mine.items():
-            # right holds M[r:, r:t] of panel q = (r, t), right of p.
+        for q in sorted(mine):
+            # mine[q] holds M[r:, r:t] of panel q = (r, t), right of p.
+            right = mine[q]
             r = dim - len(right)
             below = panel[r - start:]
             right -= below @ below[:right.shape[1]].T
+            if q == p + 1:
+                # Lookahead: the next panel goes out before this rank's
+                # other updates, which the other ranks need not wait for.
+                factor_and_send(q)
+    for wait in sends:
+        wait()
     return L

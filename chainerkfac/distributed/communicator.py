@@ -117,7 +117,7 @@ class KfacCommunicatorMixin:
     counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
     ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
     (in place), ``_group_bcast(array, root, others)`` (in place, point to
-    point), ``_allreduce_max(value)`` (a Python float) and the wire item
+    point; returns a function that waits for it), ``_allreduce_max(value)`` (a Python float) and the wire item
     sizes of ``multi_node_mean_grad`` and ``bcast_data``.
 
     Arrays are flat and of any array module (``chainer.backend
@@ -283,9 +283,9 @@ class KfacCommunicatorMixin:
         self._count('bcast', array.nbytes)
         return array
 
-    def group_bcast(self, array, root, ranks):
+    def group_bcast(self, array, root, ranks, wait=True):
         """Overwrites ``array`` with its value on ``root`` on the ``ranks``
-        only, in place, and returns it.
+        only, in place.
 
         Only the ranks of the group call it, with arrays of the same shape
         and dtype (in their own dtype: they are Cholesky panels); the others
@@ -295,6 +295,11 @@ class KfacCommunicatorMixin:
         (the stages go by block, then by panel), so that every send meets
         its receive. The root counts ``len(ranks) - 1`` copies under
         ``'bcast'``.
+
+        Returns ``array``; with ``wait=False`` the root returns at once
+        instead, with a function that waits for its sends to complete,
+        which it must call before it changes ``array`` (the other ranks
+        always wait for their copy).
         """
         self._check_contiguous_float(array)
         ranks = [int(r) for r in ranks]
@@ -304,12 +309,15 @@ class KfacCommunicatorMixin:
             raise ValueError('group_bcast: rank {} with root {} needs '
                              'distinct ranks below {} holding both, got '
                              '{!r}'.format(self.rank, root, self.size, ranks))
-        if len(ranks) == 1:
-            return array
-        self._group_bcast(array, root, [r for r in ranks if r != root])
+        others = [r for r in ranks if r != root]
+        done = (self._group_bcast(array, root, others) if others
+                else lambda: None)
         if self.rank == root:
-            self._count('bcast', array.nbytes * (len(ranks) - 1))
-        return array
+            self._count('bcast', array.nbytes * len(others))
+        if wait or self.rank != root:
+            done()
+            return array
+        return done
 
     # ChainerMN's model-wide collectives, counted and free at size 1.
 

@@ -65,10 +65,10 @@ class NaiveCommunicator(KfacCommunicatorMixin,
     def _group_bcast(self, array, root, others):
         _wait_for_device(chainer.backend.get_array_module(array))
         if self.rank == root:
-            mpi4py.MPI.Request.Waitall(
-                [self._group_comm.Isend(array, dest=r) for r in others])
+            requests = [self._group_comm.Isend(array, dest=r) for r in others]
         else:
-            self._group_comm.Recv(array, source=root)
+            requests = [self._group_comm.Irecv(array, source=root)]
+        return lambda: mpi4py.MPI.Request.Waitall(requests)
 
     def _allreduce_max(self, value):
         buf = numpy.array([value], dtype=numpy.float64)

@@ -125,6 +125,9 @@ class PureNcclCommunicator(KfacCommunicatorMixin,
                                     root, stream)
         finally:
             nccl.groupEnd()
+        # Queued on the stream, which runs whatever is queued after it
+        # (a write to the array included) once it is done.
+        return lambda: None
 
     def _allreduce_max(self, value):
         self._init_comms()
