@@ -4,6 +4,8 @@ import pytest
 
 from chainerkfac import linalg
 from chainerkfac.distributed import cholesky
+from tests.device import host
+from tests.device import send
 from tests.mpi_helpers import describe
 from tests.mpi_helpers import run_mpi
 from tests.mpi_helpers import script_path
@@ -45,18 +47,19 @@ def test_panels_are_copies_of_lower_columns():
 
 
 def test_cholesky_panel_is_a_step_of_the_factorization():
+    # On the device of --device; the reference is NumPy's on the host.
     M = numpy.random.default_rng(1).standard_normal((60, 70))
     M = M @ M.T
     L = numpy.linalg.cholesky(M)
-    panel = M[:, :25].copy()
+    panel = send(M[:, :25].copy())
     linalg.cholesky_panel(panel)
-    numpy.testing.assert_allclose(panel, L[:, :25], atol=1e-12)
+    numpy.testing.assert_allclose(host(panel), L[:, :25], atol=1e-12)
     # The next panel, after subtracting the first one's contribution.
-    right = M[25:, 25:50] - panel[25:] @ panel[25:50].T
+    right = send(M[25:, 25:50]) - panel[25:] @ panel[25:50].T
     linalg.cholesky_panel(right)
-    numpy.testing.assert_allclose(right, L[25:, 25:50], atol=1e-12)
+    numpy.testing.assert_allclose(host(right), L[25:, 25:50], atol=1e-12)
     with pytest.raises(numpy.linalg.LinAlgError):
-        linalg.cholesky_panel(-M[:, :10].copy())
+        linalg.cholesky_panel(send(-M[:, :10].copy()))
 
 
 def test_shared_cholesky_under_mpiexec():

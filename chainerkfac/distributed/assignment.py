@@ -18,12 +18,13 @@ cannot do better than 1.47 and 64 ranks than 11.7. When the assignment
 allows it (``shardable``), a Kronecker block's preconditioning is split
 over several ranks by rows or columns of ``G⁻¹ ∇W̄ A⁻¹``
 (:meth:`BlockCost.shard_costs`): the owner still refreshes the inverses
-(or Cholesky factors, for inverses that serve few steps) and hands each
-other rank what its part needs; every rank of the block receives its whole
-gradient. Blocks are split only until the load imbalance reaches
+and hands each other rank what its part needs; for inverses that serve few
+steps, the ranks of the block compute the larger factor's Cholesky factor
+together (:mod:`chainerkfac.distributed.cholesky`), so that the
+factorization is no floor either. Every rank of the block receives its
+whole gradient. Blocks are split only until the load imbalance reaches
 ``max_imbalance``: each split moves a copy of the block's gradient more in
-the reduce-scatter. A factorization cannot be split, so the largest one
-stays a floor when inverses are refreshed often.
+the reduce-scatter.
 
 Everything here is a pure function of (blocks, costs, world size): every rank
 computes the same :class:`Assignment` without communicating.

@@ -8,7 +8,9 @@ One step on every rank::
                          packed statistics) is summed onto the block's owner;
                          gradients of other parameters are allreduced
     4-5  model parallel  owners fold statistics, refresh due inverses and
-                         precondition their blocks' gradients
+                         precondition their blocks' gradients (a split
+                         block: its ranks share the preconditioning and,
+                         in the Cholesky form, the factorization)
     6    all-gather      the preconditioned gradients (and the factors'
                          change rates, which adaptive intervals need) reach
                          every rank; every rank applies the same update
@@ -77,8 +79,10 @@ class HybridParallelStages(kfac.LocalStages):
     columns of ``G⁻¹ ∇W̄ A⁻¹`` with what the owner sends them whenever it
     refreshes the block (and on the first step of a process, which is what
     resuming from a snapshot needs): a slice of one explicit inverse and the
-    other whole, or the larger factor's Cholesky factor when inverses serve
-    too few steps to pay for its explicit inverse.
+    other whole, or, when inverses serve too few steps to pay for the larger
+    factor's explicit inverse, a slice of the smaller inverse and the larger
+    factor's Cholesky factor, which the block's ranks compute together from
+    columns the owner sends them (:mod:`chainerkfac.distributed.cholesky`).
 
     Optimizer hooks run between stages 3 and 4, on the reduced gradients of
     the blocks a rank preconditions: per-parameter hooks (``WeightDecay``,
