@@ -614,6 +614,19 @@ def write_doc(full):
                   'the library), JAX on the CPU, the same models and '
                   'batches, jitted steps. Compare its KFAC/SGD ratios with '
                   'ours above (each against its own framework\'s SGD).', '']
+        cnn = peer.get('models', {}).get('small_cnn', {}).get(
+            'results', {}).get('kfac_1')
+        if cnn:
+            lines += [
+                'Not on ResNet-50 (either size): on this CPU kfac-jax took '
+                '{} to compile and run its first K-FAC step of the small CNN '
+                '(3 convolutions) and {} a refresh step, and ResNet-50 has '
+                '53 convolutions on larger inputs. The ResNet-50 rows of '
+                'the targets compare with the KAISA figures of the issue '
+                'instead, measured on this machine; ResNet-50 width/4 has '
+                'no peer figure.'.format(
+                    harness.fmt_s(cnn['compile_and_first_step']),
+                    harness.fmt_s(cnn['amortised'])), '']
         if payload_error(peer):
             lines += ['The peer could not run: `{}`'.format(
                 payload_error(peer)), '']
