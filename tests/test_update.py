@@ -272,6 +272,45 @@ def test_cholesky_precondition_equals_inverse_products():
         rtol=1e-10)
 
 
+@pytest.mark.parametrize('nobias, shared', [(False, 'A'), (True, 'G')])
+def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(nobias, shared):
+    # A split block in the 'cholesky' form: a refresh inverts the smaller
+    # factor and leaves the larger one damped, for the block's ranks to
+    # factor together; alone, the owner factors it as an unsplit block.
+    linalg = chainerkfac.linalg
+    d_in, d_out = (6, 3) if shared == 'A' else (3, 6)
+    rng = numpy.random.RandomState(2)
+    link = place(L.Linear(d_in, d_out, nobias=nobias,
+                          initialW=rng.randn(d_out, d_in)))
+    opt = chainerkfac.optimizers.KFAC(lr=0.1)
+    opt.setup(link)
+    x = send(rng.randn(8, d_in).astype(numpy.float32))
+    opt.update(lambda x: F.sum(link(x) ** 2), x)
+    block = opt.blocks[0]
+    block.inverse_form = 'cholesky'
+    block.update_inverse(opt.t + 1, 1e-2)
+    f, damped = block.shared_factor()
+    other = 'G' if f == 'A' else 'A'
+    assert f == shared and sorted(block.inverse_state) == sorted(
+        [f + '_damped', other + '_inv'])
+    damping = dict(zip('AG', linalg.factored_damping(
+        block.factor['A'], block.factor['G'], 1e-2)))
+    numpy.testing.assert_allclose(
+        host(damped), host(linalg.add_diagonal(block.factor[f], damping[f])))
+    chol = block.cholesky_alone()
+    numpy.testing.assert_allclose(
+        host(chol), host(linalg.damped_cholesky(block.factor[f], damping[f])))
+    block.set_shared_cholesky(chol)
+    assert block.shared_factor() is None and block.ready()
+    grad = block.gradient()
+    expected = linalg.kronecker_precondition(
+        grad, linalg.damped_inverse(block.factor['A'], damping['A']),
+        linalg.damped_inverse(block.factor['G'], damping['G']))
+    numpy.testing.assert_allclose(
+        host(block.preconditioned_part(grad, block.inverse_part(
+            0, block.split_length()))), host(expected), rtol=1e-4)
+
+
 def test_nan_gradient_raises_by_default():
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC()
