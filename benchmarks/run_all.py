@@ -252,7 +252,8 @@ def _targets_section(step_runs, peer, dist, tta):
     out = [harness.table(rows, header)]
     if levers:
         out += ['', 'The sub-sampling levers of the issue (statistics from '
-                'every second output row and column of a convolution, `_sub2`, '
+                'every second output row and column of a convolution, '
+                '`_sub2`, '
                 'or a quarter of the samples, '
                 '`_bsub4`; options whose cost and accuracy effect the issue '
                 'asks to measure, not targets), held to the same bars:', '',

@@ -12,7 +12,8 @@ together, right-looking and by column panels, dealt out round-robin
 (``panel p`` to ``ranks[p % k]``)::
 
     for each panel p (columns j):
-        its rank:   L_jj = chol(M_jj),  L_rj = M_rj L_jj⁻ᵀ   (linalg.cholesky_panel)
+        its rank:   L_jj = chol(M_jj),  L_rj = M_rj L_jj⁻ᵀ
+                    (linalg.cholesky_panel)
         group_bcast of [L_jj; L_rj] to the other ranks of the block
         every rank: M_·q -= L_·j L_qjᵀ for each of its panels q right of j
 

@@ -117,8 +117,9 @@ class KfacCommunicatorMixin:
     counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
     ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
     (in place), ``_group_bcast(array, root, others)`` (in place, point to
-    point; returns a function that waits for it), ``_allreduce_max(value)`` (a Python float) and the wire item
-    sizes of ``multi_node_mean_grad`` and ``bcast_data``.
+    point; returns a function that waits for it), ``_allreduce_max(value)``
+    (a Python float) and the wire item sizes of ``multi_node_mean_grad``
+    and ``bcast_data``.
 
     Arrays are flat and of any array module (``chainer.backend
     .get_array_module``); results come back in the module and dtype of the

@@ -296,13 +296,17 @@ class HybridParallelStages(kfac.LocalStages):
 
     def _payload(self, block, i, s, dest, fresh):
         """What the owner sends rank ``dest`` for part ``s`` of block
-        ``i``: ``(flag, {key: array})``. Flag 0: nothing new; 1: the
-        part's inverses, when refreshed (``fresh`` holds the ids of the
-        blocks refreshed this step) or on a process's first step (:meth:`KroneckerBlock.inverse_part
-        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`);
-        2: a refresh in the ``'cholesky'`` form, the slice of the smaller
-        inverse and ``dest``'s panels of the larger damped factor, which
-        the block's ranks then factor together."""
+        ``i``: ``(flag, {key: array})``.
+
+        Flag 0: nothing new. 1: the part's inverses
+        (:meth:`KroneckerBlock.inverse_part
+        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`),
+        after a refresh (``fresh`` holds the ids of the blocks refreshed
+        this step) or on a process's first step. 2: a refresh in the
+        ``'cholesky'`` form: the slice of the smaller inverse and
+        ``dest``'s panels of the larger damped factor, which the block's
+        ranks then factor together.
+        """
         if block.shared_factor() is not None:
             f, M = block.shared_factor()
             inverses = block.inverse_part(*self._bounds[i][s])
@@ -315,11 +319,18 @@ class HybridParallelStages(kfac.LocalStages):
             return 1, block.inverse_part(*self._bounds[i][s])
         return 0, {}
 
+    def _cholesky_key(self, block, i, s):
+        """``(key, d)``: the Cholesky factor that part ``s`` of block ``i``
+        needs in the ``'cholesky'`` form, and its size."""
+        shapes = block.inverse_part_shapes(*self._bounds[i][s])
+        key, = [key for key in shapes if key.endswith('_chol')]
+        return key, shapes[key][0]
+
     def _payload_shapes(self, block, i, s, flag):
         shapes = block.inverse_part_shapes(*self._bounds[i][s])
         if flag == 2:
-            chol, = [key for key in shapes if key.endswith('_chol')]
-            dim = shapes.pop(chol)[0]
+            chol, dim = self._cholesky_key(block, i, s)
+            del shapes[chol]
             for p, shape in cholesky.panel_shapes(
                     dim, self._factor_ranks(i), self.comm.rank).items():
                 shapes['panel{}'.format(p)] = shape
@@ -383,10 +394,8 @@ class HybridParallelStages(kfac.LocalStages):
                     cholesky.lower_panels(M, ranks, rank), M,
                     block.cholesky_alone))
             elif i in panels:
-                inverses = self._part_inverses[i]
-                f = 'A' if 'G_inv' in inverses else 'G'
-                dim = block.assignment_cost()[1][f == 'G']
-                inverses[f + '_chol'] = cholesky.shared_cholesky(
+                chol, dim = self._cholesky_key(block, i, self._parts[i])
+                self._part_inverses[i][chol] = cholesky.shared_cholesky(
                     self.comm, ranks, dim, panels[i], received, None)
 
     def precondition(self, optimizer, weight_decay):
