@@ -12,8 +12,8 @@ from tests.mpi_helpers import script_path
 
 
 @pytest.mark.parametrize('dim, ranks, count', [
-    (4608, 13, 52),  # res5 3x3 convolution of ResNet-50: 4 panels a rank
-    (4608, 2, 8),
+    (4608, 13, 104),  # res5 3x3 convolution of ResNet-50: 8 panels a rank
+    (4608, 2, 16),
     (200, 3, 6),  # at least 32 columns a panel
     (70, 3, 2),  # fewer panels than ranks
     (20, 4, 1),
