@@ -2,6 +2,7 @@
 import pytest
 
 from chainerkfac import linalg
+from chainerkfac.curvature import cost
 from chainerkfac.distributed.assignment import Assignment
 from chainerkfac.distributed.assignment import BlockCost
 from chainerkfac.distributed.assignment import assign_blocks
@@ -238,13 +239,33 @@ def test_shard_costs_hand_computed():
     assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
     assert costs == pytest.approx((144 + w * 768,) + ((1 - w) / 2 * 768,) * 2)
     assert costs[0] == pytest.approx(costs[1])
-    # One serving 2 steps keeps the larger factor's Cholesky factor, which
-    # the 3 ranks compute together, f a³ / 9 = 256 / 9 each at f = 1/2;
-    # parts split the shorter side. The owner also inverts G: 2 f g³ = 64.
-    # The parts' work: 2 g a (g + 1.125 a) = 832 (triangular solves count
-    # 1 + 1/C = 1.125 times). 64 + 832 w = 832 (1 - w) / 2 gives
-    # w = (832 - 128) / 2496.
+    # One serving 2 steps keeps the larger factor's Cholesky factor; parts
+    # split the shorter side. Refreshing: 2 f (a³ / 3 + g³) = 704 / 3 at
+    # f = 1/2. The parts' work: 2 g a (g + 1.125 a) = 832 (triangular
+    # solves count 1 + 1/C = 1.125 times). 704 / 3 + 832 w = 832 (1 - w) / 2
+    # gives w = (832 - 1408 / 3) / 2496.
     assert not block.explicit_form(0.5) and block.split_length(0.5) == 4
+    weights, costs = block.shard_costs(0.5, 3)
+    w = (832 - 1408 / 3) / 2496
+    assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
+    assert costs == pytest.approx((704 / 3 + w * 832,) * 3)
+    # A refresh that outweighs a part leaves the owner no rows at all:
+    # 1408 / 3 at f = 1.
+    weights, costs = block.shard_costs(1.0, 3)
+    assert weights == (0.0, 0.5, 0.5)
+    assert costs == pytest.approx((1408 / 3, 416.0, 416.0))
+    with pytest.raises(ValueError, match='only Kronecker'):
+        BlockCost('bn', 'diagonal', (4,)).shard_costs(1.0, 2)
+
+
+def test_shard_costs_of_a_shared_factorization(monkeypatch):
+    # From SHARED_FACTORIZATION_MIN_DIM on (lowered here for small numbers)
+    # the 3 ranks compute the larger factor's Cholesky factor together,
+    # f a³ / 9 = 256 / 9 each at f = 1/2 (a = 8, g = 4); the owner also
+    # inverts G: 2 f g³ = 64. The parts' work is 832 as above:
+    # 64 + 832 w = 832 (1 - w) / 2 gives w = (832 - 128) / 2496.
+    monkeypatch.setattr(cost, 'SHARED_FACTORIZATION_MIN_DIM', 8)
+    block = BlockCost('fc', 'kronecker', (8, 4))
     weights, costs = block.shard_costs(0.5, 3)
     w = (832 - 128) / 2496
     assert weights == pytest.approx((w, (1 - w) / 2, (1 - w) / 2))
@@ -257,8 +278,6 @@ def test_shard_costs_hand_computed():
     assert weights == (0.0, 1 / 3, 1 / 3, 1 / 3)
     assert costs == pytest.approx(
         (128 / 3 + 1024,) + ((128 + 2176) / 3,) * 3)
-    with pytest.raises(ValueError, match='only Kronecker'):
-        BlockCost('bn', 'diagonal', (4,)).shard_costs(1.0, 2)
 
 
 def test_part_bounds_cover_the_side():

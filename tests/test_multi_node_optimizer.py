@@ -57,11 +57,19 @@ def test_distributed_equals_single_process(tmp_path, inverse):
     (4, [], {'fc1': (2, 50, 'cholesky', False),
              'fc2': (2, 51, 'cholesky', False)}),
     # Hidden widths 80, 20: fc1 (A 73, G 80) explicit, fc2 (A 81, G 20)
-    # Cholesky, both split by rows. Refreshing fc1 costs its owner more
-    # than a part, so it computes no rows; fc2's three ranks factor A_d
-    # together (two panels: one rank receives the factor only).
+    # Cholesky, both split by rows; refreshing costs each owner more than
+    # a part, so the owners compute no rows.
     (4, ['80,20'], {'fc1': (4, 80, 'explicit', True),
-                    'fc2': (3, 20, 'cholesky', False)}),
+                    'fc2': (4, 20, 'cholesky', True)}),
+    # The ranks of each Cholesky-form block factor its larger factor
+    # together, as from SHARED_FACTORIZATION_MIN_DIM on: fc1's G (80) in
+    # two panels, fc2's A (51) in one, each over 2 ranks.
+    (4, ['--min-shared-dim', '1'], {'fc1': (2, 50, 'cholesky', False),
+                                    'fc2': (2, 51, 'cholesky', False)}),
+    # fc2's owner then refreshes less and computes rows too; its three
+    # ranks factor A_d (two panels: one rank receives the factor only).
+    (4, ['80,20', '--min-shared-dim', '1'],
+     {'fc1': (4, 80, 'explicit', True), 'fc2': (3, 20, 'cholesky', False)}),
 ])
 def test_split_blocks_equal_single_process(tmp_path, n, options, parts):
     # Blocks split over ranks (max_load_imbalance=1.0): the parts of the
@@ -112,7 +120,9 @@ def test_stale_steps_move_only_gradients():
     assert 'bytes ok' in result.stdout
 
 
-def test_split_blocks_move_gradient_copies_and_inverse_slices():
+@pytest.mark.parametrize('shared', [[], ['--shared']])
+def test_split_blocks_move_gradient_copies_and_inverse_slices(shared):
     result = mpi_helpers.run_mpi(3, mpi_helpers.script_path('kfac_bytes.py'),
-                                 ['--split'], timeout=120, check=True)
+                                 ['--split'] + shared, timeout=120,
+                                 check=True)
     assert 'split bytes ok' in result.stdout

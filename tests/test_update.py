@@ -273,11 +273,15 @@ def test_cholesky_precondition_equals_inverse_products():
 
 
 @pytest.mark.parametrize('nobias, shared', [(False, 'A'), (True, 'G')])
-def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(nobias, shared):
+def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(
+        nobias, shared, monkeypatch):
     # A split block in the 'cholesky' form: a refresh inverts the smaller
     # factor and leaves the larger one damped, for the block's ranks to
-    # factor together; alone, the owner factors it as an unsplit block.
+    # factor together (from SHARED_FACTORIZATION_MIN_DIM on, lowered here);
+    # alone, the owner factors it as an unsplit block.
     linalg = chainerkfac.linalg
+    monkeypatch.setattr(chainerkfac.curvature.cost,
+                        'SHARED_FACTORIZATION_MIN_DIM', 6)
     d_in, d_out = (6, 3) if shared == 'A' else (3, 6)
     rng = numpy.random.RandomState(2)
     link = place(L.Linear(d_in, d_out, nobias=nobias,
@@ -309,6 +313,12 @@ def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(nobias, shared):
     numpy.testing.assert_allclose(
         host(block.preconditioned_part(grad, block.inverse_part(
             0, block.split_length()))), host(expected), rtol=1e-4)
+    # A smaller factor than that the owner factors at once, alone.
+    monkeypatch.setattr(chainerkfac.curvature.cost,
+                        'SHARED_FACTORIZATION_MIN_DIM', len(damped) + 1)
+    block.update_inverse(opt.t + 2, 2e-2)
+    assert block.shared_factor() is None
+    assert sorted(block.inverse_state) == sorted([f + '_chol', other + '_inv'])
 
 
 def test_nan_gradient_raises_by_default():

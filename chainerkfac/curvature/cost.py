@@ -23,6 +23,15 @@ KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
 #: the unsplit block took 0.22 s for its Cholesky factors and products.
 LAPACK_SLOWDOWN = 2.0
 
+#: The size from which the ranks of a split block share its larger
+#: factor's Cholesky factorization (:mod:`chainerkfac.distributed.cholesky`)
+#: rather than leave it to the owner. Below it one message per panel and
+#: the chain of panel factorizations cost more than the shared operations
+#: save: two ranks (float32, one BLAS thread each) took 2.0, 1.48, 0.91 and
+#: 0.75 times the time of ``potrf`` on one rank at d = 257, 513, 769 and
+#: 1152, and 0.49 at 4608.
+SHARED_FACTORIZATION_MIN_DIM = 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
@@ -140,11 +149,13 @@ class BlockCost:
           side, ``V[I, :] = (G⁻¹[I, :] ∇W̄) A⁻¹`` by triangular solves
           (:func:`chainerkfac.linalg.mixed_precondition`). A part costs
           ``w (2 d_G² d_A + (1 + 1/C) 2 d_A² d_G)`` and needs ``L_A`` whole
-          and rows of ``G⁻¹``. The ``shards`` ranks compute ``L_A``
-          together (:mod:`chainerkfac.distributed.cholesky`): each pays
-          ``f d_A³ / (3 shards)`` of trailing updates, matrix products at
-          full speed, and ends with ``L_A`` whole; the owner also inverts
-          ``G``, ``R = f s d_G³`` more.
+          and rows of ``G⁻¹``. From :data:`SHARED_FACTORIZATION_MIN_DIM`
+          on, the ``shards`` ranks compute ``L_A`` together
+          (:mod:`chainerkfac.distributed.cholesky`): each pays ``f d_A³ /
+          (3 shards)`` of trailing updates, matrix products at full speed,
+          and ends with ``L_A`` whole; the owner also inverts ``G``, ``R =
+          f s d_G³`` more. Below it the owner factors ``A`` alone and
+          sends ``L_A``: ``R = f s (d_A³ / 3 + d_G³)``.
 
         ``s`` is :data:`LAPACK_SLOWDOWN`. With ``Q`` the whole block's work
         on the parts (``P`` or the sum above), the owner's smaller share
@@ -175,8 +186,12 @@ class BlockCost:
             split = self.precondition_cost
         else:
             short, long = sorted(self.dims)
-            shared = f * long ** 3 / (3 * k)
+            shared = 0.0
             refresh = f * LAPACK_SLOWDOWN * short ** 3
+            if long >= SHARED_FACTORIZATION_MIN_DIM:
+                shared = f * long ** 3 / (3 * k)
+            else:
+                refresh += f * LAPACK_SLOWDOWN * long ** 3 / 3
             split = 2 * short * long * (
                 short + (1 + 1 / linalg.EXPLICIT_INVERSE_BREAK_EVEN) * long)
         owner = max(0.0, (split - (k - 1) * refresh) / (k * split))

@@ -22,6 +22,7 @@ import numpy
 
 from chainerkfac import linalg
 from chainerkfac.curvature import base
+from chainerkfac.curvature import cost as cost_module
 
 
 def sample_chunks(n, dim, positions):
@@ -46,6 +47,21 @@ def _add(total, value):
         return value
     total += value
     return total
+
+
+def _split_cholesky_form(larger, smaller):
+    """The ``'cholesky'`` :attr:`~base.FisherBlock.inverse_form` of
+    ``(name, factor, damping)`` pairs: the smaller factor's inverse and the
+    larger one's Cholesky factor, or, from
+    :data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` on,
+    the damped factor the block's ranks factor together."""
+    (f, M, damping_M), (g, N, damping_N) = larger, smaller
+    if len(M) >= cost_module.SHARED_FACTORIZATION_MIN_DIM:
+        state = {f + '_damped': linalg.damped_factor(M, damping_M)}
+    else:
+        state = {f + '_chol': linalg.damped_cholesky(M, damping_M)}
+    state[g + '_inv'] = linalg.damped_inverse(N, damping_N)
+    return state
 
 
 class KroneckerBlock(base.FisherBlock):
@@ -154,13 +170,13 @@ class KroneckerBlock(base.FisherBlock):
         damping_A, damping_G = linalg.factored_damping(A, G, damping)
         if self.inverse_form == 'cholesky':
             # Split over ranks: only the larger factor stays a Cholesky
-            # factor (BlockCost.shard_costs), and the block's ranks compute
-            # it together: it waits damped for set_shared_cholesky.
+            # factor (BlockCost.shard_costs). A large one the block's ranks
+            # compute together: it waits damped for set_shared_cholesky.
             if len(A) >= len(G):
-                return {'A_damped': linalg.damped_factor(A, damping_A),
-                        'G_inv': linalg.damped_inverse(G, damping_G)}
-            return {'A_inv': linalg.damped_inverse(A, damping_A),
-                    'G_damped': linalg.damped_factor(G, damping_G)}
+                return _split_cholesky_form(('A', A, damping_A),
+                                            ('G', G, damping_G))
+            return _split_cholesky_form(('G', G, damping_G),
+                                        ('A', A, damping_A))
         if self.inverse_form == 'explicit' or \
                 linalg.explicit_inverse_pays(len(A), len(G), reuse):
             return {'A_inv': linalg.damped_inverse(A, damping_A),

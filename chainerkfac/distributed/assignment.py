@@ -20,8 +20,9 @@ over several ranks by rows or columns of ``G⁻¹ ∇W̄ A⁻¹``
 (:meth:`BlockCost.shard_costs`): the owner still refreshes the inverses
 and hands each other rank what its part needs; for inverses that serve few
 steps, the ranks of the block compute the larger factor's Cholesky factor
-together (:mod:`chainerkfac.distributed.cholesky`), so that the
-factorization is no floor either. Every rank of the block receives its
+together (:mod:`chainerkfac.distributed.cholesky`, for factors of
+:data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows or
+more), so that the factorization is no floor either. Every rank of the block receives its
 whole gradient. Blocks are split only until the load imbalance reaches
 ``max_imbalance``: each split moves a copy of the block's gradient more in
 the reduce-scatter.

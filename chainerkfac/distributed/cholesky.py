@@ -3,7 +3,9 @@
 When inverses serve few steps, a split Kronecker block keeps its larger
 damped factor ``M`` (``A_d`` or ``G_d``, ``d x d``) as a Cholesky factor
 ``L`` (:meth:`BlockCost.shard_costs
-<chainerkfac.curvature.cost.BlockCost.shard_costs>`). Computed by the owner
+<chainerkfac.curvature.cost.BlockCost.shard_costs>`); from
+:data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows on,
+its ranks compute ``L`` together. Computed by the owner
 alone, that ``d³/3`` is the one piece of work no split of the
 preconditioning shrinks: for ResNet-50's res5 3x3 convolutions (``d =
 4608``), refreshed every step, it alone held 8 ranks to a load imbalance of

@@ -81,8 +81,9 @@ class HybridParallelStages(kfac.LocalStages):
     resuming from a snapshot needs): a slice of one explicit inverse and the
     other whole, or, when inverses serve too few steps to pay for the larger
     factor's explicit inverse, a slice of the smaller inverse and the larger
-    factor's Cholesky factor, which the block's ranks compute together from
-    columns the owner sends them (:mod:`chainerkfac.distributed.cholesky`).
+    factor's Cholesky factor, which for a large factor the block's ranks
+    compute together from columns the owner sends them
+    (:mod:`chainerkfac.distributed.cholesky`).
 
     Optimizer hooks run between stages 3 and 4, on the reduced gradients of
     the blocks a rank preconditions: per-parameter hooks (``WeightDecay``,
@@ -340,8 +341,10 @@ class HybridParallelStages(kfac.LocalStages):
         """Owners of split blocks send each other rank of the block what
         its part needs, after one flag per part saying what follows (see
         :meth:`_payload`); a Cholesky factor travels as its lower triangle.
-        Then the ranks of each block refreshed in the ``'cholesky'`` form
-        factor its larger damped factor together, block by block
+        Then the ranks of each block whose refresh left its larger damped
+        factor to them (:meth:`KroneckerBlock.shared_factor
+        <chainerkfac.curvature.kronecker.KroneckerBlock.shared_factor>`)
+        factor it together, block by block
         (:func:`chainerkfac.distributed.cholesky.shared_cholesky`)."""
         if not self.assignment.split_blocks:
             return

@@ -1,7 +1,7 @@
 """Counts the bytes of every collective on refresh and stale K-FAC steps.
 
     mpiexec -n N python kfac_bytes.py
-    mpiexec -n 3 python kfac_bytes.py --split
+    mpiexec -n 3 python kfac_bytes.py --split [--shared]
 
 A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks, and the
@@ -12,9 +12,11 @@ of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
 explicit inverses and one with Cholesky factors: each part with rows or
 columns to compute receives the block's gradient, and the owner sends each
 other part one flag every step and, when it refreshed the block, what the
-part needs: inverse slices, and for the Cholesky form the part's panels of
-the larger damped factor, which the ranks then factor together, each
-broadcasting its panels. Exits non-zero on a mismatch.
+part needs: inverse slices, and for the Cholesky form the larger factor's
+Cholesky factor (its lower triangle) or, with ``--shared`` (every size
+shares the factorization), the part's panels of the larger damped factor,
+which the ranks then factor together, each broadcasting its panels. Exits
+non-zero on a mismatch.
 """
 import sys
 
@@ -24,6 +26,7 @@ import chainer.functions as F
 import chainer.links as L
 import numpy
 
+from chainerkfac.curvature import cost
 from chainerkfac.distributed import cholesky
 from tests import split_model
 
@@ -94,6 +97,8 @@ def main():
 
 
 def main_split():
+    if '--shared' in sys.argv:
+        cost.SHARED_FACTORIZATION_MIN_DIM = 1
     comm = chainerkfac.create_communicator('naive')
     numpy.random.seed(0)
     model = split_model.SplitMLP(36, hidden=(50, 120))
@@ -129,7 +134,8 @@ def main_split():
             if refresh:
                 scattered += d_a * (d_a + 1) // 2 + d_g * (d_g + 1) // 2
                 gathered += 2
-            shared = refresh and block.inverse_form == 'cholesky'
+            shared = refresh and block.inverse_form == 'cholesky' and max(
+                d_a, d_g) >= cost.SHARED_FACTORIZATION_MIN_DIM
             if shared:
                 # The ranks factoring the larger damped factor together.
                 ranks = stages._factor_ranks(i)
@@ -153,9 +159,12 @@ def main_split():
                     continue
                 for key, shape in block.inverse_part_shapes(
                         start, stop).items():
-                    # The Cholesky factor's place: the part's panels.
-                    sent += (panels(rank) if key.endswith('_chol')
-                             else int(numpy.prod(shape)))
+                    if not key.endswith('_chol'):
+                        sent += int(numpy.prod(shape))
+                    elif shared:  # the part's panels instead
+                        sent += panels(rank)
+                    else:  # its lower triangle
+                        sent += shape[0] * (shape[0] + 1) // 2
         expected = {
             'kfac/bytes/reduce_scatter_v': scattered * itemsize,
             'kfac/bytes/all_gather_v': gathered * itemsize,
@@ -166,7 +175,8 @@ def main_split():
             assert observation[key] == value, (step, key, observation[key],
                                                value)
     if comm.rank == 0:
-        print('split bytes ok')
+        print('split bytes ok' + (' (shared)' if '--shared' in sys.argv
+                                  else ''))
 
 
 if __name__ == '__main__':

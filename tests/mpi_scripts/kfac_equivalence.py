@@ -2,7 +2,8 @@
 
     mpiexec -n N python kfac_equivalence.py OUT.npz [--batch-norm]
     python kfac_equivalence.py OUT.npz --single [--acc-iters N] [--batch-norm]
-    ... [--mlp [H1,H2]] [--max-load-imbalance X] [--every-step | --inverse-interval N]
+    ... [--mlp [H1,H2]] [--max-load-imbalance X] [--min-shared-dim D]
+    ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
 
 Each rank takes its contiguous shard of every global batch, so N ranks with
@@ -14,6 +15,8 @@ replica is identical to rank 0's. ``--mlp`` trains
 :class:`tests.split_model.SplitMLP` instead, whose blocks the distributed
 runs split over ranks; rank 0 then prints the parts of every block as
 JSON (``parts: {...}``: ranks, bounds and the form of the inverses).
+``--min-shared-dim`` lowers the size from which the ranks of a split block
+share its Cholesky factorization, so that small models take that path.
 """
 import argparse
 import json
@@ -25,6 +28,7 @@ import chainer.links as L
 import numpy
 
 from chainerkfac import schedules
+from chainerkfac.curvature import cost
 from tests import split_model
 
 GLOBAL_BATCH = 24  # divisible by 2, 3 and 4 ranks
@@ -76,7 +80,10 @@ def main():
     parser.add_argument('--device', default='@numpy',
                         help='Chainer device of the model and batches')
     parser.add_argument('--communicator', default='naive')
+    parser.add_argument('--min-shared-dim', type=int, default=None)
     args = parser.parse_args()
+    if args.min_shared_dim is not None:
+        cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
     device = chainer.get_device(args.device)
     device.use()
     numpy.random.seed(0)
