@@ -50,7 +50,7 @@ def main():
     model = CNN()
     optimizer = chainerkfac.create_multi_node_optimizer(
         chainerkfac.optimizers.KFAC(factor_interval=3, inverse_interval=3),
-        comm, max_load_imbalance=None)  # every block on one rank
+        comm)
     optimizer.setup(model)
     itemsize = 4
     grads = sum(p.size for b in optimizer.blocks for p in b.params())
