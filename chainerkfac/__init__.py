@@ -7,10 +7,14 @@ from chainerkfac import _compat  # NOQA  (must precede any Chainer import)
 
 from chainerkfac import curvature  # NOQA
 from chainerkfac import cpu_parallel  # NOQA
+from chainerkfac import divergence  # NOQA
 from chainerkfac import linalg  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import schedules  # NOQA
+from chainerkfac import update_norm  # NOQA
 from chainerkfac.curvature import NonFiniteError  # NOQA
+from chainerkfac.divergence import DivergenceError  # NOQA
+from chainerkfac.divergence import DivergenceWarning  # NOQA
 from chainerkfac.distributed import create_communicator  # NOQA
 from chainerkfac.distributed import create_multi_node_optimizer  # NOQA
 

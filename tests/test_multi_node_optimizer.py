@@ -3,8 +3,9 @@
 ``mpiexec -n 2`` and ``-n 4`` with per-rank batch b against one process
 with batch N b, float64, after steps that mix refresh and stale steps
 (adaptive A interval, G every 2 steps, inverses every 3), momentum, EMA,
-weight decay in both forms, and a parameter outside K-FAC. Replicas are
-checked identical on every rank inside the script.
+weight decay in both forms, a parameter outside K-FAC and the update-norm
+guard, whose scale per step is compared too. Replicas (and the guard's
+scales) are checked identical on every rank inside the script.
 """
 import json
 import os
@@ -38,6 +39,8 @@ def assert_same_parameters(got, expected, what):
 @pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
 def test_distributed_equals_single_process(tmp_path, inverse):
     expected = single_process(tmp_path, ['--inverse', inverse])
+    # The update-norm guard scales most steps, identically on every rank.
+    assert (expected['update_scale'] < 1).sum() >= 4, expected['update_scale']
     for n in (2, 4):
         out = str(tmp_path / 'n{}.npz'.format(n))
         mpi_helpers.run_mpi(n, SCRIPT, [out, '--inverse', inverse],

@@ -54,6 +54,9 @@ def full_gradient(link):
                                         (numpy.float32, 2e-3)])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol):
+    # The update-norm guard, at its default bound, scales this step (ν
+    # about 0.1), so the dense reference applies its formula too:
+    # ν = min(1, sqrt(κ / (lr² Σ_b ⟨V_b, g_b⟩))).
     damping, lr = 1e-2, 0.5
     model = place(MLP(dtype))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
@@ -65,22 +68,32 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
               for n, p in model.namedparams()}
     # Raw gradients of the same batch, computed independently on the CPU.
     ref = reference_copy(model, x, t)
-    opt.update(loss_fn(model), *send(x, t))
+    observation = {}
+    with chainer.Reporter().scope(observation):
+        opt.update(loss_fn(model), *send(x, t))
+    solved = {}
     for block in opt.blocks:
         assert state in block.inverse_state
-        name = block.name
         A = host(block.factor['A']).astype(numpy.float64)
         G = host(block.factor['G']).astype(numpy.float64)
-        grad = full_gradient(getattr(ref, name)).astype(numpy.float64)
+        grad = full_gradient(getattr(ref, block.name)).astype(numpy.float64)
         if inverse == 'cholesky':
             A_d, G_d = brute_force.factored_damping(A, G, damping)
             dense = numpy.kron(A_d, G_d)
         else:
             dense = numpy.kron(A, G) + damping * numpy.eye(len(A) * len(G))
-        V = brute_force.unvec(numpy.linalg.solve(dense, brute_force.vec(grad)),
-                              grad.shape)
-        W_new = before['/' + name + '/W'] - lr * V[:, :-1]
-        b_new = before['/' + name + '/b'] - lr * V[:, -1]
+        solved[block.name] = grad, brute_force.unvec(
+            numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape)
+    kl = lr ** 2 * sum(numpy.vdot(V, g) for g, V in solved.values())
+    nu = min(1.0, numpy.sqrt(opt.kl_clip / kl))
+    assert nu < 0.5  # the guard acts here
+    numpy.testing.assert_allclose(observation['kfac/kl'], kl,
+                                  rtol=rtol)
+    numpy.testing.assert_allclose(observation['kfac/update_scale'], nu,
+                                  rtol=rtol)
+    for name, (_, V) in solved.items():
+        W_new = before['/' + name + '/W'] - lr * nu * V[:, :-1]
+        b_new = before['/' + name + '/b'] - lr * nu * V[:, -1]
         link = getattr(model, name)
         numpy.testing.assert_allclose(host(link.W.array), W_new, rtol=rtol,
                                       atol=rtol * abs(W_new).max())
@@ -133,7 +146,8 @@ def test_optimizer_hooks_act_before_preconditioning():
     # that K-FAC then preconditions with the unchanged damping.
     rate, damping, lr = 0.05, 1e-2, 0.5
     model = place(MLP())
-    opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping)
+    opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
+                                      kl_clip=None)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
     x, t = data()
@@ -174,7 +188,7 @@ def test_paper_weight_decay_adds_to_gradient_and_damping():
     damping, decay, lr = 1e-2, 1e-1, 0.5
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
-                                      weight_decay=decay)
+                                      weight_decay=decay, kl_clip=None)
     opt.setup(model)
     x, t = data()
     ref = reference_copy(model, x, t)

@@ -19,6 +19,7 @@ from chainer import backend
 from chainer import serializer as serializer_module
 
 from chainerkfac import schedules
+from chainerkfac import update_norm
 from chainerkfac.curvature import cost
 
 
@@ -295,10 +296,17 @@ class FisherBlock:
         return bool(self.inverse_state)
 
     def precondition(self, weight_decay=0.0):
-        """Replaces the gradients of the block's parameters by ``F̂⁻¹ ∇``."""
-        if self.ready():
-            self.set_gradient(self.preconditioned(
-                self.gradient(weight_decay)))
+        """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
+        and returns ``⟨V, ∇⟩``, the block's term of the update-norm guard
+        (:mod:`chainerkfac.update_norm`). Before its first inverse a block
+        keeps its raw gradient (``F̂ = I``) and returns ``⟨∇, ∇⟩``."""
+        if not self.ready():
+            grad = self.gradient()
+            return update_norm.inner(grad, grad)
+        grad = self.gradient(weight_decay)
+        preconditioned = self.preconditioned(grad)
+        self.set_gradient(preconditioned)
+        return update_norm.inner(preconditioned, grad)
 
     # -- description and serialisation -----------------------------------
 

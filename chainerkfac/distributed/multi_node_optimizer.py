@@ -31,6 +31,7 @@ from chainer import backend
 
 from chainerkfac import cpu_parallel
 from chainerkfac import linalg
+from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import cholesky
 from chainerkfac.distributed import communicator as communicator_module
@@ -407,13 +408,13 @@ class HybridParallelStages(kfac.LocalStages):
         index = {id(block): i for i, block in enumerate(blocks)}
 
         def compute(block):
+            """``(this rank's part of V or None, its term of Σ⟨V, ∇⟩)``."""
             i = index[id(block)]
             if i not in self._bounds:
-                block.precondition(weight_decay)
-                return None
+                return None, block.precondition(weight_decay)
             start, stop = self._bounds[i][self._parts[i]]
             if start == stop:
-                return None  # an owner busy enough with the inverses
+                return None, 0  # an owner busy enough with the inverses
             if self._parts[i] == 0:
                 inverses = (block.inverse_part(start, stop)
                             if block.ready() else None)
@@ -422,9 +423,12 @@ class HybridParallelStages(kfac.LocalStages):
             if inverses is None:
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
-                return block.part_of(block.gradient(), start, stop)
-            return block.preconditioned_part(block.gradient(weight_decay),
-                                             inverses)
+                part = block.part_of(block.gradient(), start, stop)
+                return part, update_norm.inner(part, part)
+            grad = block.gradient(weight_decay)
+            part = block.preconditioned_part(grad, inverses)
+            return part, update_norm.inner(
+                part, block.part_of(grad, start, stop))
 
         def flops(block):
             i = index[id(block)]
@@ -433,18 +437,25 @@ class HybridParallelStages(kfac.LocalStages):
 
         results = cpu_parallel.map_blocks(
             compute, [blocks[i] for i in mine], flops)
-        self._part_results = {i: r for i, r in zip(mine, results)
-                              if r is not None}
+        self._part_results = {i: part for i, (part, _) in zip(mine, results)
+                              if part is not None}
+        return sum(inner for _, inner in results)
 
-    def gather(self, optimizer, rates):
+    def gather(self, optimizer, rates, inner):
+        """All-gathers the preconditioned gradients, with the change rates
+        of refreshed factors and each rank's part of ``Σ_b ⟨V_b, ∇_b⟩``,
+        which every rank adds up in rank order."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
         # Per part: its piece of the preconditioned gradient, then the
-        # owner's one change rate per refreshed factor.
+        # owner's one change rate per refreshed factor; after a rank's
+        # parts, its term of the guard's sum.
         items = self.assignment.buffer_order()
         sizes = {(i, s): self._part_size(i, s)
                  + (len(refreshed[i]) if s == 0 else 0) for i, s in items}
+        counts = [count + 1 for count in
+                  self.assignment.segment_counts(sizes)]
         parts = []
         for i, s in sorted(self._parts.items()):
             block = blocks[i]
@@ -461,17 +472,21 @@ class HybridParallelStages(kfac.LocalStages):
                     [numpy.nan if r is None else r for r in measured]))
         grad0 = blocks[0].params()[0].grad
         xp = backend.get_array_module(grad0)
+        parts.append(xp.reshape(xp.asarray(inner), (1,)))
         parts = [xp.asarray(p, dtype=grad0.dtype) for p in parts]
-        send = xp.concatenate(parts) if parts else xp.empty(0, grad0.dtype)
-        everything = self.comm.all_gather_v(
-            send, self.assignment.segment_counts(sizes))
+        everything = self.comm.all_gather_v(xp.concatenate(parts), counts)
         chainer.report({'kfac/bytes/' + name: value for name, value
                         in self.comm.reset_bytes_moved().items()})
         step = optimizer.t
         assembled = {i: xp.empty(self._shapes[i], dtype=grad0.dtype)
                      for i in self._bounds}
+        # The guard's terms end each rank's segment.
+        ends = numpy.cumsum(counts) - 1
+        total = float(everything[ends].sum())
         offset = 0
         for i, s in items:
+            while offset in ends:
+                offset += 1
             n_grad = self._part_size(i, s)
             piece = everything[offset:offset + n_grad]
             offset += n_grad
@@ -490,6 +505,7 @@ class HybridParallelStages(kfac.LocalStages):
                         step, None if numpy.isnan(r) else r)
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
+        return total
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,

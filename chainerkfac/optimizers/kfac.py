@@ -22,8 +22,10 @@ from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
 from chainerkfac import cpu_parallel
+from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
 from chainerkfac import schedules
+from chainerkfac import update_norm
 from chainerkfac.curvature import base
 from chainerkfac.curvature import registry
 
@@ -36,10 +38,12 @@ _default_hyperparam.damping = 1e-3
 _default_hyperparam.cov_ema_decay = 0.95
 _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
+_default_hyperparam.kl_clip = 1e-3
 
 _INVERSES = ('cholesky', 'eigen')
 _BN_FISHERS = ('diagonal', 'full')
 _NONFINITE = ('raise', 'skip')
+_DIVERGENCE = ('warn', 'raise')
 
 
 class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
@@ -91,14 +95,18 @@ class LocalStages:
 
     def precondition(self, optimizer, weight_decay):
         """Replaces the gradients of the blocks this process preconditions
-        by ``F̂⁻¹ ∇``."""
-        cpu_parallel.map_blocks(
+        by ``V = F̂⁻¹ ∇``; returns this process's part of ``Σ_b ⟨V_b, ∇_b⟩``
+        (:mod:`chainerkfac.update_norm`)."""
+        return sum(cpu_parallel.map_blocks(
             lambda block: block.precondition(weight_decay),
-            self.owned(optimizer.blocks), _work('precondition_cost'))
+            self.owned(optimizer.blocks), _work('precondition_cost')))
 
-    def gather(self, optimizer, rates):
+    def gather(self, optimizer, rates, inner):
         """Shares preconditioned gradients; ``rates`` are the change rates
-        of the factors this process refreshed, ``{block: {factor: rate}}``."""
+        of the factors this process refreshed, ``{block: {factor: rate}}``,
+        and ``inner`` its part of ``Σ_b ⟨V_b, ∇_b⟩``. Returns the sum over
+        every process, the same number on each."""
+        return inner
 
 
 def _check_hyperparameters(hp):
@@ -110,9 +118,13 @@ def _check_hyperparameters(hp):
         ('weight_decay', hp.weight_decay >= 0, 'must be >= 0'),
         ('bn_damping_multiplier', hp.bn_damping_multiplier > 0,
          'must be > 0'),
+        ('kl_clip', hp.kl_clip is None or hp.kl_clip > 0,
+         'must be > 0 or None'),
     )
     for name, ok, rule in checks:
         value = getattr(hp, name)
+        if name == 'kl_clip' and value is None:
+            continue
         if not isinstance(value, numbers.Real) or not ok:
             raise ValueError('KFAC {} {}, got {!r}'.format(name, rule, value))
 
@@ -194,6 +206,18 @@ class KFAC(optimizer.GradientMethod):
             only; 1 takes every sample. ``k`` divides the statistics' work
             by about ``k``; BatchNormalization statistics, which cost
             little, use the whole batch.
+        kl_clip (float or None): The update-norm guard's bound κ (Ba et al.
+            2017 §5, :mod:`chainerkfac.update_norm`): every preconditioned
+            gradient is scaled by ``ν = min(1, sqrt(κ / q))``, with
+            ``q = lr² Σ_b ⟨F̂_b⁻¹∇_b, ∇_b⟩`` over the K-FAC blocks, so that
+            the step's approximate KL change stays bounded. A hyperparameter:
+            ``ExponentialShift('kl_clip', ...)`` gives it a schedule.
+            ``None`` turns the guard off.
+        divergence (str): On a sign of a finite divergence (the loss over
+            100 times its first value, or the guard clipping every update
+            hard for 50 steps; :mod:`chainerkfac.divergence`), ``'warn'``
+            once or ``'raise'`` a
+            :class:`~chainerkfac.divergence.DivergenceError`.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -206,7 +230,8 @@ class KFAC(optimizer.GradientMethod):
                  bn_damping_multiplier=(
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
-                 batch_subsample=1):
+                 batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
+                 divergence='warn'):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -215,10 +240,13 @@ class KFAC(optimizer.GradientMethod):
         hp.cov_ema_decay = cov_ema_decay
         hp.weight_decay = weight_decay
         hp.bn_damping_multiplier = bn_damping_multiplier
+        hp.kl_clip = kl_clip
         _check_hyperparameters(hp)
         self.inverse = _choice(inverse, _INVERSES, 'inverse')
         self.bn_fisher = _choice(bn_fisher, _BN_FISHERS, 'bn_fisher')
         self.nonfinite = _choice(nonfinite, _NONFINITE, 'nonfinite')
+        self.divergence = _choice(divergence, _DIVERGENCE, 'divergence')
+        self._monitor = divergence_module.DivergenceMonitor(divergence)
         if isinstance(factor_interval, dict):
             unknown = set(factor_interval) - {'A', 'G'}
             if unknown or len(factor_interval) != 2:
@@ -255,6 +283,7 @@ class KFAC(optimizer.GradientMethod):
     weight_decay = optimizer.HyperparameterProxy('weight_decay')
     bn_damping_multiplier = optimizer.HyperparameterProxy(
         'bn_damping_multiplier')
+    kl_clip = optimizer.HyperparameterProxy('kl_clip')
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
@@ -332,14 +361,18 @@ class KFAC(optimizer.GradientMethod):
         """
         self._stages.prepare(self)
         running = None
+        mean_loss = None
         if lossfun is not None:
             if self.nonfinite == 'skip':
                 running = self._running_statistics()
             self.target.cleargrads()
+            losses = []
             for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
                 loss = lossfun(*chunk_args, **chunk_kwds)
                 loss.backward(loss_scale=self._loss_scale)
+                losses.append(loss.array)
                 del loss
+            mean_loss = float(sum(losses)) / len(losses)
             if self.acc_iters > 1:
                 for param in self.target.params():
                     if param.grad is not None:
@@ -351,9 +384,10 @@ class KFAC(optimizer.GradientMethod):
         self.t += 1
         if self._stages.agree(self.is_safe_to_update()
                               and self._check_finite_gradients()):
-            self.update_curvature(stats)
+            scale = self.update_curvature(stats)
             for param in self.target.params():
                 param.update()
+            self._monitor.observe(self.t, mean_loss, scale)
         elif running is not None:
             # The skipped batch's forward pass already moved them.
             for array, saved in running:
@@ -413,9 +447,11 @@ class KFAC(optimizer.GradientMethod):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
         ``stats`` is ``{block: {factor: batch mean}}``. Reports
-        ``kfac/damping``, ``kfac/factor_refreshes`` (factors refreshed this
+        ``kfac/damping``, ``kfac/kl`` (the guard's ``q`` before scaling)
+        and ``kfac/update_scale`` (its ``ν``), ``kfac/factor_refreshes`` (factors refreshed this
         step), ``kfac/inverse_refreshes`` and, on steps that refreshed a
-        factor, ``kfac/change_rate`` (mean over those factors).
+        factor, ``kfac/change_rate`` (mean over those factors). Returns the
+        guard's scale ``ν``.
         """
         step = self.t
         hp = self.hyperparam
@@ -439,17 +475,25 @@ class KFAC(optimizer.GradientMethod):
                 step, block.effective_damping(hp)),
             due, _work('inverse_cost'))) if done]
         self._stages.share_inverses(self, refreshed)
-        self._stages.precondition(self, hp.weight_decay)
-        self._stages.gather(self, rates)
+        inner = self._stages.precondition(self, hp.weight_decay)
+        inner = self._stages.gather(self, rates, inner)
+        kl = update_norm.kl_estimate(inner, hp.lr, self._loss_scale)
+        nu = update_norm.scale(kl, hp.kl_clip)
+        if nu < 1:
+            for block in self.blocks:
+                for param in block.params():
+                    param.grad *= nu
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
         report = {'kfac/damping': hp.damping,
+                  'kfac/kl': kl, 'kfac/update_scale': nu,
                   'kfac/factor_refreshes': sum(map(len, rates.values())),
                   'kfac/inverse_refreshes': len(refreshed),
                   'kfac/skipped_steps': 0}
         if measured:
             report['kfac/change_rate'] = sum(measured) / len(measured)
         chainer.report(report)
+        return nu
 
     # -- state --------------------------------------------------------------
 

@@ -6,6 +6,8 @@
     ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
 
+The update-norm guard is on, at a bound it reaches on most steps; its
+scale per step is saved with the parameters (``update_scale``).
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
 With ``--batch-norm`` the CNN normalises each rank's batch on its own; one
@@ -95,7 +97,7 @@ def main():
         factor_interval=1 if args.every_step else {
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
-        acc_iters=args.acc_iters)
+        acc_iters=args.acc_iters, kl_clip=1e-4)
     rank, size = 0, 1
     if not args.single:
         comm = chainerkfac.create_communicator(args.communicator)
@@ -109,14 +111,20 @@ def main():
     optimizer.setup(model.to_device(device))
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
+    reporter, scales = chainer.Reporter(), []
     for step in range(STEPS):
         rng = numpy.random.RandomState(step)
         x = rng.randn(GLOBAL_BATCH, 2, 6, 6)
         t = rng.randint(0, 3, GLOBAL_BATCH).astype(numpy.int32)
-        optimizer.update(model, device.send(x[rank * b:(rank + 1) * b]),
-                         device.send(t[rank * b:(rank + 1) * b]))
+        observation = {}
+        with reporter.scope(observation):
+            optimizer.update(model, device.send(x[rank * b:(rank + 1) * b]),
+                             device.send(t[rank * b:(rank + 1) * b]))
+        scales.append(observation['kfac/update_scale'])
     host = chainer.backend.CpuDevice().send
     params = {n: host(p.array) for n, p in model.namedparams()}
+    # The update-norm guard's scale of every step: the same on every rank.
+    params['update_scale'] = numpy.asarray(scales)
     if args.batch_norm and not args.single:
         # Averaged over ranks every step: the replicas agree on them too.
         params['avg_mean'] = host(model.bn.avg_mean)

@@ -1,0 +1,50 @@
+"""The update-norm guard: a bound on the approximate KL change of a step.
+
+Ba et al. 2017 §5 (after Martens & Grosse 2015 §6.5). With ``g_b`` the
+gradient a K-FAC block ``b`` preconditioned and ``V_b = F̂_b⁻¹ g_b`` the
+result, a step ``Δ = −η V`` (before momentum) changes the model's output
+distribution by a KL divergence of about ``½ ΔᵀF̂Δ = ½ η² Σ_b ⟨V_b, g_b⟩``,
+since ``F̂_b V_b = g_b``. The guard measures::
+
+    q = η² Σ_b ⟨V_b, g_b⟩          (twice that KL change)
+    ν = min(1, sqrt(κ / q))
+
+and multiplies every block's ``V`` by ``ν`` before the momentum update, so
+that ``ν² q ≤ κ``: a large learning rate, or a damped inverse of stale
+curvature that is far too small, cannot move the model further than the
+bound ``κ`` (the ``kl_clip`` option of :class:`~chainerkfac.optimizers.KFAC`)
+allows. The convention (no factor ½ in ``q``) is kfac-pytorch's ``kl_clip``.
+
+Parameters outside the K-FAC blocks follow momentum SGD and are not
+scaled. The gradients carry the loss scale ``s`` of float16 training, so
+``q`` is divided by ``s²``. Under MPI each rank adds the terms of the
+blocks (or parts of blocks) it preconditioned; the partial sums travel in
+the all-gather the step already makes and every rank adds them in rank
+order, so every rank applies the same ``ν``.
+"""
+import math
+
+from chainer import backend
+
+
+def inner(preconditioned, gradient):
+    """``⟨V, g⟩``: the block's term of ``Σ_b ⟨V_b, g_b⟩``, as a 0-d array
+    of the arrays' module (read back once per step, not once per block)."""
+    xp = backend.get_array_module(gradient)
+    return xp.vdot(preconditioned.ravel(), gradient.ravel())
+
+
+def kl_estimate(inner_sum, lr, loss_scale=None):
+    """``q = η² Σ_b ⟨V_b, g_b⟩`` from the summed inner products."""
+    q = lr * lr * float(inner_sum)
+    if loss_scale is not None:
+        q /= loss_scale * loss_scale
+    return q
+
+
+def scale(q, bound):
+    """``ν = min(1, sqrt(κ / q))``; 1 when the guard is off (``bound`` is
+    ``None``) or ``q`` is not positive."""
+    if bound is None or not q > 0:
+        return 1.0
+    return min(1.0, math.sqrt(bound / q))
