@@ -9,7 +9,7 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   :data:`LOSS_GROWTH` times the first loss it saw;
 * the update-norm guard (:mod:`chainerkfac.update_norm`) scaled the update
   by less than :data:`HARD_SCALE` on :data:`PATIENCE` consecutive steps:
-  the learning rate asks for steps a hundred times longer than the bound
+  the learning rate asks for steps a thousand times longer than the bound
   allows, so the guard, not the learning rate, sets the step.
 
 On the first sign it warns once (:class:`DivergenceWarning`) with what to
@@ -21,9 +21,12 @@ import warnings
 #: The loss counts as diverged above this multiple of the first loss.
 LOSS_GROWTH = 100.0
 #: A guard scale ``ν`` below this counts as a hard clip ...
-HARD_SCALE = 0.01
-#: ... and this many hard clips in a row as a sign of divergence.
-PATIENCE = 50
+HARD_SCALE = 1e-3
+#: ... and this many hard clips in a row as a sign of divergence. Healthy
+#: runs clip hard for a few steps where the first factors are far from
+#: the later ones (``ν`` about 3e-3 for 15 steps on a ResNet-50 whose
+#: factors are refreshed every 50 steps).
+PATIENCE = 100
 
 _ADVICE = ('lower the learning rate, raise the damping, or lower kl_clip '
            '(docs/guide/tuning.md)')

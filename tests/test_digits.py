@@ -37,8 +37,10 @@ def epochs_to_target(log):
 def test_kfac_reaches_target_in_fewer_epochs(tmp_path):
     example = load_example()
     kfac = example.train(
+        # Batch 512 is 3 steps an epoch: a larger bound than the default
+        # pays there (docs/guide/tuning.md).
         lambda: chainerkfac.optimizers.KFAC(lr=0.03, momentum=0.9,
-                                            damping=1e-3),
+                                            damping=1e-3, kl_clip=1e-3),
         'kfac', 6, 512, str(tmp_path), verbose=False)
     sgd = example.train(
         lambda: chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9),

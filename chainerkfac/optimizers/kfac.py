@@ -34,11 +34,11 @@ logger = logging.getLogger(__name__)
 _default_hyperparam = optimizer.Hyperparameter()
 _default_hyperparam.lr = 0.01
 _default_hyperparam.momentum = 0.9
-_default_hyperparam.damping = 1e-3
+_default_hyperparam.damping = 1e-2
 _default_hyperparam.cov_ema_decay = 0.95
 _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
-_default_hyperparam.kl_clip = 1e-3
+_default_hyperparam.kl_clip = 1e-4
 
 _INVERSES = ('cholesky', 'eigen')
 _BN_FISHERS = ('diagonal', 'full')
@@ -214,8 +214,9 @@ class KFAC(optimizer.GradientMethod):
             ``ExponentialShift('kl_clip', ...)`` gives it a schedule.
             ``None`` turns the guard off.
         divergence (str): On a sign of a finite divergence (the loss over
-            100 times its first value, or the guard clipping every update
-            hard for 50 steps; :mod:`chainerkfac.divergence`), ``'warn'``
+            100 times its first value, or the guard scaling every update
+            by less than 1e-3 for 100 steps;
+            :mod:`chainerkfac.divergence`), ``'warn'``
             once or ``'raise'`` a
             :class:`~chainerkfac.divergence.DivergenceError`.
     """
