@@ -181,7 +181,8 @@ def build_optimizer(config, comm, model):
         inverse_interval=run_config.make_interval(
             config['inverse_interval']),
         acc_iters=config['acc_iters'], weight_decay=config['weight_decay'],
-        bn_damping_multiplier=config['bn_damping_multiplier'])
+        bn_damping_multiplier=config['bn_damping_multiplier'],
+        kl_clip=config['kl_clip'])
     optimizer = chainerkfac.create_multi_node_optimizer(kfac, comm)
     optimizer.setup(model)
     if config['weight_rescaling']:
