@@ -50,8 +50,8 @@ def losses(model_name, optimizer, data, steps=40, seed=0):
 
 @pytest.mark.parametrize('model_name', ['mlp', 'cnn'])
 @pytest.mark.parametrize('lr', [0.03, 0.1])
-def test_default_kfac_does_not_diverge_at_momentum_sgd_learning_rates(digits, model_name,
-                                                       lr):
+def test_default_kfac_does_not_diverge_at_momentum_sgd_learning_rates(
+        digits, model_name, lr):
     sgd, _ = losses(model_name, chainer.optimizers.MomentumSGD(lr, 0.9),
                     digits)
     kfac, warned = losses(model_name, chainerkfac.optimizers.KFAC(lr, 0.9),

@@ -483,9 +483,10 @@ class HybridParallelStages(kfac.LocalStages):
         # The guard's terms end each rank's segment.
         ends = numpy.cumsum(counts) - 1
         total = float(everything[ends].sum())
+        guard_slots = set(ends.tolist())
         offset = 0
         for i, s in items:
-            while offset in ends:
+            while offset in guard_slots:
                 offset += 1
             n_grad = self._part_size(i, s)
             piece = everything[offset:offset + n_grad]

@@ -118,13 +118,11 @@ def _check_hyperparameters(hp):
         ('weight_decay', hp.weight_decay >= 0, 'must be >= 0'),
         ('bn_damping_multiplier', hp.bn_damping_multiplier > 0,
          'must be > 0'),
-        ('kl_clip', hp.kl_clip is None or hp.kl_clip > 0,
-         'must be > 0 or None'),
     )
+    if hp.kl_clip is not None:  # None: the guard is off
+        checks += (('kl_clip', hp.kl_clip > 0, 'must be > 0 or None'),)
     for name, ok, rule in checks:
         value = getattr(hp, name)
-        if name == 'kl_clip' and value is None:
-            continue
         if not isinstance(value, numbers.Real) or not ok:
             raise ValueError('KFAC {} {}, got {!r}'.format(name, rule, value))
 
@@ -247,7 +245,7 @@ class KFAC(optimizer.GradientMethod):
         self.bn_fisher = _choice(bn_fisher, _BN_FISHERS, 'bn_fisher')
         self.nonfinite = _choice(nonfinite, _NONFINITE, 'nonfinite')
         self.divergence = _choice(divergence, _DIVERGENCE, 'divergence')
-        self._monitor = divergence_module.DivergenceMonitor(divergence)
+        self._monitor = divergence_module.DivergenceMonitor(self.divergence)
         if isinstance(factor_interval, dict):
             unknown = set(factor_interval) - {'A', 'G'}
             if unknown or len(factor_interval) != 2:
@@ -448,11 +446,11 @@ class KFAC(optimizer.GradientMethod):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
         ``stats`` is ``{block: {factor: batch mean}}``. Reports
-        ``kfac/damping``, ``kfac/kl`` (the guard's ``q`` before scaling)
-        and ``kfac/update_scale`` (its ``ν``), ``kfac/factor_refreshes`` (factors refreshed this
-        step), ``kfac/inverse_refreshes`` and, on steps that refreshed a
-        factor, ``kfac/change_rate`` (mean over those factors). Returns the
-        guard's scale ``ν``.
+        ``kfac/damping``, ``kfac/kl`` (the guard's ``q`` before scaling),
+        ``kfac/update_scale`` (its ``ν``), ``kfac/factor_refreshes``
+        (factors refreshed this step), ``kfac/inverse_refreshes`` and, on
+        steps that refreshed a factor, ``kfac/change_rate`` (mean over those
+        factors). Returns the guard's scale ``ν``.
         """
         step = self.t
         hp = self.hyperparam
