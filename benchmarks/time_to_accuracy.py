@@ -164,7 +164,7 @@ def make_optimizer(name, lr, intervals):
     if name == 'sgd':
         return chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     f, i = intervals
-    return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, damping=1e-3,
+    return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                        factor_interval=f, inverse_interval=i,
                                        **OPTIMIZERS[name])
 

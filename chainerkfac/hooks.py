@@ -7,7 +7,9 @@ its forward statistics from the input, and a :class:`OutputGradientHook` is
 attached to the output's creator node to catch ``∂L/∂y`` during backward.
 
 Evaluation passes (``chainer.config.train`` false) and passes without
-backprop never touch the statistics.
+backprop never touch the statistics. Every training pass, stale ones
+included, records its batch size, which the update-norm guard's bound
+follows.
 """
 import chainer
 
@@ -35,6 +37,10 @@ class StatisticsHook(chainer.LinkHook):
         blocks (dict): ``id(link) -> FisherBlock``.
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
+
+    Attributes:
+        batch_size (int or None): Samples in the latest training forward
+            pass of a link with a block (its input's first axis).
     """
 
     name = 'chainerkfac_statistics'
@@ -42,6 +48,7 @@ class StatisticsHook(chainer.LinkHook):
     def __init__(self, blocks, next_step):
         self.blocks = blocks
         self.next_step = next_step
+        self.batch_size = None
 
     def forward_postprocess(self, args):
         config = chainer.config
@@ -50,10 +57,11 @@ class StatisticsHook(chainer.LinkHook):
         block = self.blocks.get(id(args.link))
         if block is None:
             return
+        x = args.args[0] if args.args else args.kwargs['x']
+        self.batch_size = len(x)
         wanted = block.wanted(self.next_step())
         if not wanted:
             return
-        x = args.args[0] if args.args else args.kwargs['x']
         context = block.forward_statistics(
             x.array if isinstance(x, chainer.Variable) else x, wanted)
         if context is None:

@@ -54,9 +54,9 @@ def full_gradient(link):
                                         (numpy.float32, 2e-3)])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol):
-    # The update-norm guard, at its default bound, scales this step (ν
-    # about 0.1), so the dense reference applies its formula too:
-    # ν = min(1, sqrt(κ / (lr² Σ_b ⟨V_b, g_b⟩))).
+    # The update-norm guard, at its default bound, scales this step, so the
+    # dense reference applies its formula too: ν = min(1, sqrt(κ / (lr²
+    # Σ_b ⟨V_b, g_b⟩))), κ = kl_clip · 16 / 64 for this batch of 16.
     damping, lr = 1e-2, 0.5
     model = place(MLP(dtype))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
@@ -85,7 +85,7 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
         solved[block.name] = grad, brute_force.unvec(
             numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape)
     kl = lr ** 2 * sum(numpy.vdot(V, g) for g, V in solved.values())
-    nu = min(1.0, numpy.sqrt(opt.kl_clip / kl))
+    nu = min(1.0, numpy.sqrt(opt.kl_clip * len(x) / 64 / kl))
     assert nu < 0.5  # the guard acts here
     numpy.testing.assert_allclose(observation['kfac/kl'], kl,
                                   rtol=rtol)
@@ -99,6 +99,36 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                       atol=rtol * abs(W_new).max())
         numpy.testing.assert_allclose(host(link.b.array), b_new, rtol=rtol,
                                       atol=rtol * abs(b_new).max())
+
+
+@pytest.mark.parametrize('kl_clip_batch,acc_iters,manual,batch', [
+    (None, 1, False, 16), (64, 1, False, 16), (64, 2, False, 16),
+    (4, 1, True, 16), (64, 1, False, 48)])
+def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
+                                          batch):
+    # κ = kl_clip · B / kl_clip_batch, B the whole batch however it was fed
+    # (micro-batches of acc_iters, or the user's own forward and backward).
+    kl_clip = 1e-4
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
+                                      kl_clip_batch=kl_clip_batch,
+                                      acc_iters=acc_iters)
+    opt.setup(model)
+    x, t = send(*data(n=batch))
+    observation = {}
+    with chainer.Reporter().scope(observation):
+        if manual:
+            model.cleargrads()
+            loss_fn(model)(x, t).backward()
+            opt.update()
+        else:
+            opt.update(loss_fn(model), x, t)
+    bound = kl_clip if kl_clip_batch is None else \
+        kl_clip * batch / kl_clip_batch
+    expected = min(1.0, numpy.sqrt(bound / observation['kfac/kl']))
+    assert expected < 1  # the guard acts at every one of these bounds
+    numpy.testing.assert_allclose(observation['kfac/update_scale'], expected,
+                                  rtol=1e-12)
 
 
 def test_batch_of_one_linear_block_is_exact_empirical_fisher():
@@ -388,6 +418,7 @@ def test_nan_gradient_skipped_when_configured():
     ({'acc_iters': 0}, 'acc_iters'), ({'nonfinite': 'ignore'}, 'nonfinite'),
     ({'spatial_subsample': 1.5}, 'spatial_subsample'),
     ({'batch_subsample': 0}, 'batch_subsample'),
+    ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
 ])
 def test_bad_hyperparameters_name_the_problem(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

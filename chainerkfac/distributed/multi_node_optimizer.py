@@ -441,20 +441,22 @@ class HybridParallelStages(kfac.LocalStages):
                               if part is not None}
         return sum(inner for _, inner in results)
 
-    def gather(self, optimizer, rates, inner):
+    def gather(self, optimizer, rates, terms):
         """All-gathers the preconditioned gradients, with the change rates
-        of refreshed factors and each rank's part of ``Σ_b ⟨V_b, ∇_b⟩``,
-        which every rank adds up in rank order."""
+        of refreshed factors and each rank's terms of the update-norm guard
+        (its part of ``Σ_b ⟨V_b, ∇_b⟩`` and its batch size), which every
+        rank adds up in rank order."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
         # Per part: its piece of the preconditioned gradient, then the
         # owner's one change rate per refreshed factor; after a rank's
-        # parts, its term of the guard's sum.
+        # parts, its terms of the guard's sums.
         items = self.assignment.buffer_order()
         sizes = {(i, s): self._part_size(i, s)
                  + (len(refreshed[i]) if s == 0 else 0) for i, s in items}
-        counts = [count + 1 for count in
+        n_terms = len(terms)
+        counts = [count + n_terms for count in
                   self.assignment.segment_counts(sizes)]
         parts = []
         for i, s in sorted(self._parts.items()):
@@ -472,7 +474,8 @@ class HybridParallelStages(kfac.LocalStages):
                     [numpy.nan if r is None else r for r in measured]))
         grad0 = blocks[0].params()[0].grad
         xp = backend.get_array_module(grad0)
-        parts.append(xp.reshape(xp.asarray(inner), (1,)))
+        parts.append(xp.stack([xp.asarray(t, dtype=grad0.dtype)
+                               for t in terms]))
         parts = [xp.asarray(p, dtype=grad0.dtype) for p in parts]
         everything = self.comm.all_gather_v(xp.concatenate(parts), counts)
         chainer.report({'kfac/bytes/' + name: value for name, value
@@ -481,9 +484,12 @@ class HybridParallelStages(kfac.LocalStages):
         assembled = {i: xp.empty(self._shapes[i], dtype=grad0.dtype)
                      for i in self._bounds}
         # The guard's terms end each rank's segment.
-        ends = numpy.cumsum(counts) - 1
-        total = float(everything[ends].sum())
-        guard_slots = set(ends.tolist())
+        ends = numpy.cumsum(counts)
+        slots = numpy.concatenate([numpy.arange(end - n_terms, end)
+                                   for end in ends])
+        totals = tuple(float(v) for v in
+                       everything[slots].reshape(-1, n_terms).sum(axis=0))
+        guard_slots = set(slots.tolist())
         offset = 0
         for i, s in items:
             while offset in guard_slots:
@@ -506,7 +512,7 @@ class HybridParallelStages(kfac.LocalStages):
                         step, None if numpy.isnan(r) else r)
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
-        return total
+        return totals
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,

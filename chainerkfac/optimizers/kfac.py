@@ -101,12 +101,13 @@ class LocalStages:
             lambda block: block.precondition(weight_decay),
             self.owned(optimizer.blocks), _work('precondition_cost')))
 
-    def gather(self, optimizer, rates, inner):
+    def gather(self, optimizer, rates, terms):
         """Shares preconditioned gradients; ``rates`` are the change rates
-        of the factors this process refreshed, ``{block: {factor: rate}}``,
-        and ``inner`` its part of ``Σ_b ⟨V_b, ∇_b⟩``. Returns the sum over
-        every process, the same number on each."""
-        return inner
+        of the factors this process refreshed, ``{block: {factor: rate}}``.
+        ``terms`` is this process's part of the update-norm guard's sums,
+        ``(Σ_b ⟨V_b, ∇_b⟩, samples in its batch)``; returns their sums over
+        every process, the same numbers on each."""
+        return terms
 
 
 def _check_hyperparameters(hp):
@@ -211,6 +212,11 @@ class KFAC(optimizer.GradientMethod):
             the step's approximate KL change stays bounded. A hyperparameter:
             ``ExponentialShift('kl_clip', ...)`` gives it a schedule.
             ``None`` turns the guard off.
+        kl_clip_batch (int or None): The global batch at which the bound is
+            ``kl_clip``; it grows in proportion to the batch,
+            ``κ = kl_clip · B / kl_clip_batch`` (the batch of the latest
+            training forward pass, times ``acc_iters``, summed over
+            processes). ``None`` keeps ``κ = kl_clip`` at every batch.
         divergence (str): On a sign of a finite divergence (the loss over
             100 times its first value, or the guard scaling every update
             by less than 1e-3 for 100 steps;
@@ -230,7 +236,7 @@ class KFAC(optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 divergence='warn'):
+                 kl_clip_batch=64, divergence='warn'):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -270,6 +276,8 @@ class KFAC(optimizer.GradientMethod):
                                                'spatial_subsample')
         self.batch_subsample = _positive_int(batch_subsample,
                                              'batch_subsample')
+        self.kl_clip_batch = None if kl_clip_batch is None else \
+            _positive_int(kl_clip_batch, 'kl_clip_batch')
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
@@ -383,7 +391,10 @@ class KFAC(optimizer.GradientMethod):
         self.t += 1
         if self._stages.agree(self.is_safe_to_update()
                               and self._check_finite_gradients()):
-            scale = self.update_curvature(stats)
+            samples = self._hook.batch_size if self._hook else None
+            if samples is not None and lossfun is not None:
+                samples *= self.acc_iters
+            scale = self.update_curvature(stats, samples)
             for param in self.target.params():
                 param.update()
             self._monitor.observe(self.t, mean_loss, scale)
@@ -442,10 +453,12 @@ class KFAC(optimizer.GradientMethod):
                 return False
         return True
 
-    def update_curvature(self, stats):
+    def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
-        ``stats`` is ``{block: {factor: batch mean}}``. Reports
+        ``stats`` is ``{block: {factor: batch mean}}``; ``samples`` the
+        size of this process's batch (``None``: unknown, the guard's bound
+        is then ``kl_clip`` as given). Reports
         ``kfac/damping``, ``kfac/kl`` (the guard's ``q`` before scaling),
         ``kfac/update_scale`` (its ``ν``), ``kfac/factor_refreshes``
         (factors refreshed this step), ``kfac/inverse_refreshes`` and, on
@@ -475,9 +488,10 @@ class KFAC(optimizer.GradientMethod):
             due, _work('inverse_cost'))) if done]
         self._stages.share_inverses(self, refreshed)
         inner = self._stages.precondition(self, hp.weight_decay)
-        inner = self._stages.gather(self, rates, inner)
+        inner, batch = self._stages.gather(self, rates, (inner, samples or 0))
         kl = update_norm.kl_estimate(inner, hp.lr, self._loss_scale)
-        nu = update_norm.scale(kl, hp.kl_clip)
+        nu = update_norm.scale(kl, update_norm.bound(
+            hp.kl_clip, batch or None, self.kl_clip_batch))
         if nu < 1:
             for block in self.blocks:
                 for param in block.params():
