@@ -419,10 +419,37 @@ def test_nan_gradient_skipped_when_configured():
     ({'spatial_subsample': 1.5}, 'spatial_subsample'),
     ({'batch_subsample': 0}, 'batch_subsample'),
     ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
+    ({'lr': '0.1'}, 'lr must be a real number >= 0'),
+    ({'lr': None}, 'lr must be'), ({'damping': True}, 'damping must be'),
+    ({'kl_clip': '1e-4'}, 'kl_clip must be'),
 ])
 def test_bad_hyperparameters_name_the_problem(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         chainerkfac.optimizers.KFAC(**kwargs)
+
+
+@pytest.mark.parametrize('name,value', [
+    ('damping', -1), ('lr', '0.1'), ('momentum', 1.5), ('kl_clip', 0)])
+def test_hyperparameters_set_at_run_time_are_checked_at_the_next_update(
+        name, value):
+    # As an extension (ExponentialShift, LinearShift) or a user would.
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    opt.update(loss_fn(model), *send(*data()))
+    setattr(opt, name, value)
+    before = {n: host(p.array).copy() for n, p in model.namedparams()}
+    message = r'{} must be .* \(at iteration 2\)'.format(name)
+    with pytest.raises(ValueError, match=message):
+        opt.update(loss_fn(model), *send(*data()))
+    for n, p in model.namedparams():
+        numpy.testing.assert_array_equal(host(p.array), before[n])
+
+
+def test_update_before_setup_names_setup():
+    opt = chainerkfac.optimizers.KFAC()
+    with pytest.raises(RuntimeError, match='before setup'):
+        opt.update()
 
 
 def test_reports_and_describe():

@@ -110,22 +110,33 @@ class LocalStages:
         return terms
 
 
-def _check_hyperparameters(hp):
-    checks = (
-        ('lr', hp.lr >= 0, 'must be >= 0'),
-        ('momentum', 0 <= hp.momentum < 1, 'must be in [0, 1)'),
-        ('damping', hp.damping > 0, 'must be > 0'),
-        ('cov_ema_decay', 0 <= hp.cov_ema_decay < 1, 'must be in [0, 1)'),
-        ('weight_decay', hp.weight_decay >= 0, 'must be >= 0'),
-        ('bn_damping_multiplier', hp.bn_damping_multiplier > 0,
-         'must be > 0'),
-    )
-    if hp.kl_clip is not None:  # None: the guard is off
-        checks += (('kl_clip', hp.kl_clip > 0, 'must be > 0 or None'),)
-    for name, ok, rule in checks:
+#: Hyperparameter -> (whether a number is in range, the rule in words).
+_HYPERPARAMETER_RULES = {
+    'lr': (lambda v: v >= 0, 'a real number >= 0'),
+    'momentum': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
+    'damping': (lambda v: v > 0, 'a real number > 0'),
+    'cov_ema_decay': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
+    'weight_decay': (lambda v: v >= 0, 'a real number >= 0'),
+    'bn_damping_multiplier': (lambda v: v > 0, 'a real number > 0'),
+    'kl_clip': (lambda v: v > 0, 'a real number > 0, or None'),
+}
+
+
+def _check_hyperparameters(hp, when='construction'):
+    """Raises ``ValueError`` naming the first hyperparameter that is not a
+    real number in its range (``kl_clip`` may be None: the guard is off).
+
+    Run at construction and at the start of every update, since extensions
+    (``ExponentialShift``, ``LinearShift``) and users set them at run time.
+    """
+    for name, (in_range, rule) in _HYPERPARAMETER_RULES.items():
         value = getattr(hp, name)
-        if not isinstance(value, numbers.Real) or not ok:
-            raise ValueError('KFAC {} {}, got {!r}'.format(name, rule, value))
+        if name == 'kl_clip' and value is None:
+            continue
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                or not in_range(value)):
+            raise ValueError('KFAC {} must be {}, got {!r} (at {})'.format(
+                name, rule, value, when))
 
 
 def _choice(value, choices, what):
@@ -366,6 +377,11 @@ class KFAC(optimizer.GradientMethod):
         averaged and their statistics pooled. Without it, the gradients (and
         any statistics collected since the last step) are used as they are.
         """
+        if getattr(self, 'target', None) is None:
+            raise RuntimeError('KFAC.update() before setup(): call '
+                               'optimizer.setup(model) first')
+        _check_hyperparameters(self.hyperparam,
+                               'iteration {}'.format(self.t + 1))
         self._stages.prepare(self)
         running = None
         mean_loss = None
