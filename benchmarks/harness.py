@@ -370,6 +370,23 @@ def _rewrap(new, wrapped_old):
     return timed
 
 
+# -- training -------------------------------------------------------------------
+
+def train_step(model, optimizer, x, t):
+    """One classification step, timed: softmax cross-entropy of
+    ``model(x)`` against ``t``, backward, ``optimizer.update()``. Returns
+    ``(loss, seconds)``."""
+    import chainer.functions as F
+    t0 = time.perf_counter()
+    model.cleargrads()
+    loss = F.softmax_cross_entropy(model(x), t)
+    loss.backward()
+    value = float(loss.array)
+    del loss
+    optimizer.update()
+    return value, time.perf_counter() - t0
+
+
 # -- statistics ---------------------------------------------------------------
 
 def summary(values):

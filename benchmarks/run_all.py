@@ -167,7 +167,7 @@ def _shared_ratio(dist, dim):
     return 'an unmeasured fraction'
 
 
-def _targets_section(step_runs, peer, dist, tta):
+def _targets_section(step_runs, peer, dist, tta, shapes):
     """One row per target of issue #5, measured values from the JSON; then
     the sub-sampling levers' rows, held to the same bars for reference."""
     rows, levers = [], []
@@ -233,6 +233,7 @@ def _targets_section(step_runs, peer, dist, tta):
                          '{0}{1:.2f}x, wall-clock {0}{2:.2f}x'.format(
                              bound, *r[:2]),
                          _verdict(r[0] <= 0.5 and r[1] < 1)])
+    rows += _shapes_targets(shapes)
     if dist:
         table = dist['imbalance']['table']
         for fraction, when in (('0.01', 'inverses every 100 steps'),
@@ -479,6 +480,7 @@ def _flop_section(step_runs):
 def write_doc(full):
     step = load('step_time')
     tta = load('time_to_accuracy')
+    shapes = load('compare_shapes')
     dist = load('distributed')
     peer = load('peer')
     os.makedirs(FIGURES, exist_ok=True)
@@ -514,7 +516,7 @@ def write_doc(full):
               '(step-time ratios are amortised over the schedule, see '
               'below, from the run of each model with the most timed '
               'rounds under glibc\'s default allocator).', '']
-    lines += _targets_section(step_runs, peer, dist, tta) + ['']
+    lines += _targets_section(step_runs, peer, dist, tta, shapes) + ['']
     if dist:
         lines += [
             'Load imbalance: with one owner per block, the largest block '
@@ -658,6 +660,7 @@ def write_doc(full):
             for task, entry in load(name)['tasks'].items():
                 lines += ['#### `{}`: {}'.format(name, task), '']
                 lines += _tta_task(task, entry)
+    lines += _shapes_section(shapes)
     if dist:
         lines += ['## Distributed', '',
                   'Command: `{}`'.format(command_of('distributed', dist)), '',
@@ -695,6 +698,79 @@ def _tta_task(task, entry):
                          entry['n_val'], entry.get('lr_grid'),
                          tuple(entry['kfac_intervals'])), '',
             '![{}](benchmarks_figures/{})'.format(task, png), '']
+
+
+def _shapes_targets(shapes):
+    """Issue #23's goals on the harder task, at its largest batch: K-FAC
+    in at most half MomentumSGD's epochs and 0.7x its seconds to the
+    target, a best final accuracy at least MomentumSGD's; with factors and
+    inverses every 50 steps, epochs within 10% of every step's."""
+    if not shapes or not shapes.get('summary'):
+        return []
+    batch = max(shapes['summary'], key=int)
+    rows = shapes['summary'][batch]['optimizers']
+    sgd, kfac = rows.get('sgd'), rows.get('kfac')
+    if sgd is None or kfac is None:
+        return []
+    out = []
+
+    def ratio(row, key, base):
+        if row[key] == float('inf') or base[key] == float('inf'):
+            return None
+        return row[key] / base[key]
+
+    for name, row in sorted(rows.items()):
+        if name == 'sgd':
+            continue
+        e, t = ratio(row, 'epochs_to_target', sgd), ratio(
+            row, 'seconds_to_target', sgd)
+        label = 'shapes batch {}: {} epochs and seconds to SGD\'s best - ' \
+            '0.5 point'.format(batch, name)
+        if e is None:
+            out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
+                        'target missed', '**no**'])
+            continue
+        out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
+                    '{:.2f}x, {:.2f}x'.format(e, t),
+                    _verdict(e <= 0.5 and t <= 0.7)])
+    out.append(['shapes batch {}: best final accuracy'.format(batch),
+                '>= SGD\'s', '{:.3f} vs {:.3f}'.format(
+                    kfac['final_accuracy'], sgd['final_accuracy']),
+                _verdict(kfac['final_accuracy'] >= sgd['final_accuracy'])])
+    stale = rows.get('kfac_50_50')
+    if stale and kfac['epochs_to_target'] != float('inf'):
+        e = stale['epochs_to_target'] / kfac['epochs_to_target']
+        out.append(['shapes batch {}: kfac_50_50 epochs against every '
+                    'step\'s'.format(batch), '<= 1.10x',
+                    '{:.2f}x'.format(e), _verdict(e <= 1.10)])
+    return out
+
+
+def _shapes_section(shapes):
+    """The harder task of ``compare_shapes.py``: its table, recipe and
+    curves."""
+    if not shapes:
+        return []
+    png = shapes['plot']
+    shutil.copy(os.path.join(harness.results_dir(), png),
+                os.path.join(FIGURES, png))
+    recipe = shapes['recipe']
+    return [
+        '## Harder task: K-FAC against a tuned large-batch MomentumSGD', '',
+        'Command: `{0}compare_shapes.py --batches B --lrs-sgd ... '
+        '--lrs-kfac ... --seeds S --jobs 2`, then `--stale` (runs are kept '
+        'and added to across invocations; see the script). Generated '
+        'colour images ({1}: 10 classes, 24x24), model {2}; both optimizers '
+        'with the same recipe: learning rate {3}, momentum {4}, weight '
+        'decay {5}, {6} epochs ({7} of warm-up); K-FAC at its defaults, its bound following '
+        'the square of the schedule\'s factor. Seconds count training '
+        'steps only (two runs at a time on the 2 cores, one BLAS thread '
+        'each).'.format(PREFIX, recipe['data'], recipe['model'],
+                        recipe['lr'], recipe['momentum'],
+                        recipe['weight_decay'], recipe['epochs'],
+                        recipe['warmup_epochs']),
+        '', _env_line(shapes), '', shapes['table'], '',
+        '![shapes](benchmarks_figures/{})'.format(png), '']
 
 
 def payload_error(payload):

@@ -24,10 +24,8 @@ target counts as infinitely slow), with its median wall-clock (training time
 only: evaluation excluded). Plots: ``benchmarks/results/tta_<task>.png``.
 """
 import argparse
-import copy
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -192,14 +190,9 @@ def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
             order, pos = rng.permutation(len(x_tr)), 0
         idx = order[pos:pos + batch]
         pos += batch
-        t0 = time.perf_counter()
-        model.cleargrads()
-        loss = F.softmax_cross_entropy(model(x_tr[idx]), y_tr[idx])
-        loss.backward()
-        loss_value = float(loss.array)
-        del loss
-        optimizer.update()
-        wall += time.perf_counter() - t0
+        loss_value, seconds = harness.train_step(model, optimizer,
+                                                 x_tr[idx], y_tr[idx])
+        wall += seconds
         if not numpy.isfinite(loss_value):
             break
         if it % task['eval_every'] == 0 or it == max_iter:

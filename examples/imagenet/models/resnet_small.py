@@ -35,16 +35,20 @@ class ResNetSmall(chainer.Chain):
 
     Args:
         n_classes (int): Number of output classes.
+        stem (int): Channels of the 3x3 stem.
+        stages: ``(channels, stride)`` of each stage's basic block.
     """
 
-    def __init__(self, n_classes=10):
+    def __init__(self, n_classes=10, stem=16,
+                 stages=((16, 1), (32, 2), (64, 2))):
         super().__init__()
+        widths = [stem] + [channels for channels, _ in stages]
         with self.init_scope():
-            self.stem = ConvBN(3, 16, 3)
-            self.stages = chainer.ChainList(
-                BasicBlock(16, 16, 1), BasicBlock(16, 32, 2),
-                BasicBlock(32, 64, 2))
-            self.fc = L.Linear(64, n_classes)
+            self.stem = ConvBN(3, stem, 3)
+            self.stages = chainer.ChainList(*[
+                BasicBlock(c_in, c_out, stride) for c_in, (c_out, stride)
+                in zip(widths, stages)])
+            self.fc = L.Linear(widths[-1], n_classes)
 
     def forward(self, x):
         h = F.relu(self.stem(x))

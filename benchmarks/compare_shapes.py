@@ -1,0 +1,355 @@
+"""K-FAC against a tuned large-batch MomentumSGD on a harder image task.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py \\
+        --batches 1024 --jobs 2            # the large batch, both cores
+    PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py --report
+
+The task is :mod:`shapes` (20,000 training and 5,000 validation colour
+images, 24x24, ten classes); the model is ``models.TinyResNet`` (a stem and
+two residual blocks, all with BatchNorm). Every optimizer trains with the
+large-batch recipe of Goyal et al. (2017): the learning rate scaled
+linearly with the batch (``lr = base_lr · B / 256``), a linear warm-up over
+the first ``--warmup`` epochs, cosine decay to zero at the end, weight
+decay 5e-4 (Chainer's ``WeightDecay`` hook, for both), momentum 0.9.
+MomentumSGD and K-FAC get the same budget: a grid of base learning rates
+(``--lrs-sgd``, ``--lrs-kfac``) times ``--seeds`` seeds at each batch.
+K-FAC runs at its defaults; its update-norm guard's bound follows the
+schedule's squared factor, as the guard's ``q`` grows with ``lr²``, so the
+guard neither undoes the warm-up nor the decay.
+
+After the grid, K-FAC's best base learning rate at each batch also runs
+with stale curvature (``--stale``): factors/inverses every 10/100 and every
+50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
+
+Each run is kept in ``results/compare_shapes.json`` as soon as it ends; a
+run already there is not repeated, so the grid can be grown over several
+invocations. ``--report`` (also at the end of every invocation) prints and
+stores, per batch: MomentumSGD's best final validation accuracy (best base
+learning rate, mean over seeds) and the target it sets (that minus 0.5
+point); for each optimizer at its best learning rate, the median epochs and
+training seconds to the target, its final accuracy and validation loss. The
+curves go to ``results/compare_shapes.png`` (validation loss and
+accuracy against epochs and against seconds; ``run_all.py --docs-only``
+copies it into the docs).
+"""
+import argparse
+import math
+import multiprocessing
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
+import chainer
+import chainer.functions as F
+import numpy
+
+import harness
+import models
+import shapes
+
+OUT = 'compare_shapes.json'
+WEIGHT_DECAY = 5e-4
+#: name -> K-FAC options; ``sgd`` is MomentumSGD.
+OPTIMIZERS = {
+    'sgd': None,
+    'kfac': {},
+    'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100},
+    'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50},
+    'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
+                      'inverse_interval': 1},
+}
+STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
+
+_DATA = {}
+
+
+def schedule_factor(iteration, total, warmup):
+    """Linear warm-up over ``warmup`` iterations, then cosine decay to 0;
+    the factor applied to the learning rate at ``iteration`` (from 0)."""
+    if iteration < warmup:
+        return (iteration + 1) / warmup
+    progress = (iteration - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def evaluate(model, x, y):
+    """Validation ``(accuracy, loss)``."""
+    correct, loss = 0, 0.0
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        for i in range(0, len(x), 1000):
+            scores = model(x[i:i + 1000])
+            correct += int((scores.array.argmax(axis=1)
+                            == y[i:i + 1000]).sum())
+            loss += float(F.softmax_cross_entropy(
+                scores, y[i:i + 1000], reduce='no').array.sum())
+    return correct / len(x), loss / len(x)
+
+
+def train(spec):
+    """One run: ``spec`` = (optimizer, base lr, batch, seed, epochs,
+    warm-up epochs). Returns its per-epoch curve."""
+    name, base_lr, batch, seed, epochs, warmup_epochs = spec
+    harness.limit_threads(1)
+    harness.keep_freed_memory()
+    (x_tr, y_tr), (x_val, y_val) = _DATA['data']
+    numpy.random.seed(seed)
+    model = models.TinyResNet(10)
+    lr = base_lr * batch / 256
+    options = OPTIMIZERS[name]
+    if options is None:
+        optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
+    else:
+        optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
+                                                **options)
+        kl_clip = optimizer.kl_clip
+    optimizer.setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
+    steps = len(x_tr) // batch
+    total, warmup = steps * epochs, steps * warmup_epochs
+    rng = numpy.random.RandomState(seed)
+    curve, wall, it = [], 0.0, 0
+    for epoch in range(1, epochs + 1):
+        order = rng.permutation(len(x_tr))
+        for k in range(steps):
+            idx = order[k * batch:(k + 1) * batch]
+            factor = schedule_factor(it, total, warmup)
+            optimizer.lr = lr * factor
+            if options is not None:
+                optimizer.kl_clip = kl_clip * factor * factor
+            loss_value, seconds = harness.train_step(model, optimizer,
+                                                     x_tr[idx], y_tr[idx])
+            wall += seconds
+            it += 1
+        accuracy, val_loss = evaluate(model, x_val, y_val)
+        curve.append({'epoch': epoch, 'seconds': wall,
+                      'val_accuracy': accuracy, 'val_loss': val_loss,
+                      'train_loss': loss_value})
+        if not numpy.isfinite(loss_value):
+            break
+    return {'optimizer': name, 'base_lr': base_lr, 'batch': batch,
+            'seed': seed, 'epochs': epochs, 'warmup_epochs': warmup_epochs,
+            'curve': curve}
+
+
+def _key(run):
+    return (run['optimizer'], run['base_lr'], run['batch'], run['seed'],
+            run['epochs'])
+
+
+def _median(values):
+    values = sorted(float('inf') if v is None else v for v in values)
+    return values[len(values) // 2] if len(values) % 2 else \
+        0.5 * (values[len(values) // 2 - 1] + values[len(values) // 2])
+
+
+def _to_target(run, target):
+    """``(epochs, seconds)`` at the first evaluation at or above target."""
+    for point in run['curve']:
+        if point['val_accuracy'] >= target:
+            return point['epoch'], point['seconds']
+    return None, None
+
+
+def summarise(runs):
+    """Per batch: the target and, per optimizer, its best learning rate's
+    figures (best: the highest mean final validation accuracy)."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run['batch'], run['optimizer'], run['base_lr']),
+                          []).append(run)
+    best = {}
+    for (batch, name, lr), group in groups.items():
+        final = numpy.mean([g['curve'][-1]['val_accuracy'] for g in group])
+        old = best.get((batch, name))
+        if old is None or final > old['final_accuracy']:
+            best[(batch, name)] = {
+                'base_lr': lr, 'runs': group, 'seeds': len(group),
+                'final_accuracy': float(final),
+                'final_val_loss': float(numpy.mean(
+                    [g['curve'][-1]['val_loss'] for g in group]))}
+    summary = {}
+    for batch in sorted({b for b, _ in best}):
+        sgd = best.get((batch, 'sgd'))
+        if sgd is None:
+            continue
+        target = sgd['final_accuracy'] - 0.005
+        rows = {}
+        for (b, name), entry in best.items():
+            if b != batch:
+                continue
+            reached = [_to_target(r, target) for r in entry['runs']]
+            rows[name] = {
+                'base_lr': entry['base_lr'], 'seeds': entry['seeds'],
+                'lrs_tried': sorted(lr for (bb, n, lr) in groups
+                                    if bb == batch and n == name),
+                'final_accuracy': entry['final_accuracy'],
+                'final_val_loss': entry['final_val_loss'],
+                'epochs_to_target': _median([e for e, _ in reached]),
+                'seconds_to_target': _median([s for _, s in reached]),
+                'reached': '{}/{}'.format(
+                    sum(e is not None for e, _ in reached), len(reached))}
+        summary[batch] = {'target': target, 'optimizers': rows}
+    return summary, best
+
+
+def report(summary):
+    lines = []
+    for batch, entry in summary.items():
+        rows = []
+        sgd = entry['optimizers']['sgd']
+        for name in OPTIMIZERS:
+            row = entry['optimizers'].get(name)
+            if row is None:
+                continue
+            ratio = ['', ''] if name == 'sgd' else [
+                '-' if row[k] == float('inf') or
+                sgd[k] == float('inf') else
+                '{:.2f}'.format(row[k] / sgd[k])
+                for k in ('epochs_to_target', 'seconds_to_target')]
+            rows.append([name, '{:g} ({})'.format(
+                row['base_lr'], ', '.join('{:g}'.format(v)
+                                          for v in row['lrs_tried'])),
+                str(row['seeds']),
+                '{:.3f}'.format(row['final_accuracy']),
+                '{:.3f}'.format(row['final_val_loss']),
+                '{:g}'.format(row['epochs_to_target']),
+                harness.fmt_s(row['seconds_to_target'])
+                if row['seconds_to_target'] != float('inf') else 'inf',
+                row['reached']] + ratio)
+        lines.append('### batch {} (target {:.1%}: MomentumSGD\'s best final '
+                     'accuracy - 0.5 point)\n'.format(batch, entry['target']))
+        lines.append(harness.table(rows, [
+            'optimizer', 'best base lr (grid)', 'seeds',
+            'final val accuracy', 'final val loss', 'median epochs to target',
+            'median seconds to target', 'seeds reaching',
+            'epochs vs SGD', 'seconds vs SGD']))
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def plot(best, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    batches = sorted({b for b, _ in best})
+    fig, axes = plt.subplots(len(batches), 4, squeeze=False,
+                             figsize=(18, 4 * len(batches)))
+    colors = dict(zip(OPTIMIZERS, ('tab:blue', 'tab:red', 'tab:orange',
+                                   'tab:green', 'tab:purple')))
+    for row, batch in enumerate(batches):
+        for name in OPTIMIZERS:
+            entry = best.get((batch, name))
+            if entry is None:
+                continue
+            for k, run in enumerate(entry['runs']):
+                c = run['curve']
+                label = '{} (base lr {:g})'.format(
+                    name, entry['base_lr']) if k == 0 else None
+                for col, (x, y) in enumerate((
+                        ('epoch', 'val_accuracy'), ('seconds', 'val_accuracy'),
+                        ('epoch', 'val_loss'), ('seconds', 'val_loss'))):
+                    axes[row, col].plot([p[x] for p in c], [p[y] for p in c],
+                                        color=colors[name], alpha=0.7,
+                                        label=label)
+        for col, (x, y) in enumerate((
+                ('epoch', 'validation accuracy'),
+                ('training seconds', 'validation accuracy'),
+                ('epoch', 'validation loss'),
+                ('training seconds', 'validation loss'))):
+            ax = axes[row, col]
+            ax.set(xlabel=x, ylabel=y, title='shapes, batch {}'.format(batch))
+            ax.grid(alpha=0.3)
+            if col in (2, 3):
+                ax.set_yscale('log')
+        axes[row, 0].legend(loc='lower right', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write(runs, environment, out=OUT):
+    summary, best = summarise(runs)
+    text = report(summary)
+    payload = {'script': 'compare_shapes', 'environment': environment,
+               'recipe': {'lr': 'base_lr * batch / 256, linear warm-up, '
+                          'cosine decay to 0', 'momentum': 0.9,
+                          'weight_decay': WEIGHT_DECAY,
+                          'model': 'models.TinyResNet() (stem 8, '
+                                   'blocks 16, 32)',
+                          'data': 'shapes.load(20000, 5000)',
+                          'epochs': ', '.join(sorted(
+                              {str(r['epochs']) for r in runs})),
+                          'warmup_epochs': ', '.join(sorted(
+                              {str(r['warmup_epochs']) for r in runs}))},
+               'summary': {str(b): v for b, v in summary.items()},
+               'table': text, 'runs': runs}
+    if best:
+        # compare_shapes.json -> compare_shapes.png beside it
+        # (benchmarks/run_all.py copies it into the docs).
+        stem = os.path.splitext(os.path.basename(out))[0]
+        payload['plot'] = stem + '.png'
+        plot(best, os.path.join(harness.results_dir(), payload['plot']))
+    return harness.write_json(out, payload), text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--batches', default='1024')
+    parser.add_argument('--lrs-sgd', default='0.05,0.1,0.2,0.4')
+    parser.add_argument('--lrs-kfac', default='0.05,0.1,0.2,0.4')
+    parser.add_argument('--seeds', type=int, default=3)
+    parser.add_argument('--epochs', type=int, default=20)
+    parser.add_argument('--warmup', type=int, default=2,
+                        help='warm-up epochs')
+    parser.add_argument('--stale', action='store_true',
+                        help='also the stale schedules at K-FAC\'s best lr')
+    parser.add_argument('--jobs', type=int, default=1)
+    parser.add_argument('--out', default=OUT)
+    parser.add_argument('--report', action='store_true',
+                        help='only summarise the stored runs')
+    args = parser.parse_args(argv)
+    previous = harness.read_json(args.out) or {}
+    runs = previous.get('runs', [])
+    environment = harness.environment()
+    if args.report:
+        print(write(runs, environment, args.out)[1])
+        return
+    done = {_key(r) for r in runs}
+    batches = [int(b) for b in args.batches.split(',')]
+    specs = []
+    for seed in range(args.seeds):
+        for batch in batches:
+            for name, lrs in (('sgd', args.lrs_sgd), ('kfac', args.lrs_kfac)):
+                for lr in (float(v) for v in lrs.split(',')):
+                    specs.append((name, lr, batch, seed, args.epochs,
+                                  args.warmup))
+    if args.stale:
+        _, best = summarise(runs)
+        for batch in batches:
+            if (batch, 'kfac') not in best:
+                parser.error('--stale needs the kfac grid at batch {} '
+                             'first'.format(batch))
+            lr = best[(batch, 'kfac')]['base_lr']
+            specs += [(name, lr, batch, seed, args.epochs, args.warmup)
+                      for seed in range(args.seeds) for name in STALE]
+    specs = [s for s in specs if (s[0], s[1], s[2], s[3], s[4]) not in done]
+    _DATA['data'] = shapes.load()
+    print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)
+    with multiprocessing.get_context('fork').Pool(args.jobs) as pool:
+        for run in pool.imap_unordered(train, specs):
+            runs.append(run)
+            last = run['curve'][-1]
+            print('{optimizer} base lr {base_lr} batch {batch} seed {seed}: '
+                  .format(**run) + 'final accuracy {:.3f}, loss {:.3f}, '
+                  '{:.0f} s'.format(last['val_accuracy'], last['val_loss'],
+                                    last['seconds']), flush=True)
+            path, text = write(runs, environment, args.out)
+    print(text)
+    print('written', path)
+
+
+if __name__ == '__main__':
+    main()
