@@ -419,6 +419,7 @@ def test_nan_gradient_skipped_when_configured():
     ({'spatial_subsample': 1.5}, 'spatial_subsample'),
     ({'batch_subsample': 0}, 'batch_subsample'),
     ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
+    ({'max_skipped_steps': 0}, 'max_skipped_steps'),
     ({'lr': '0.1'}, 'lr must be a real number >= 0'),
     ({'lr': None}, 'lr must be'), ({'damping': True}, 'damping must be'),
     ({'kl_clip': '1e-4'}, 'kl_clip must be'),
@@ -488,10 +489,12 @@ def test_manual_loop_equals_update_with_lossfun():
         numpy.testing.assert_array_equal(host(p.array), host(q.array))
 
 
-def test_skipped_step_keeps_batch_norm_running_statistics():
+@pytest.mark.parametrize('nonfinite', ['skip', 'raise'])
+def test_skipped_or_raising_step_keeps_batch_norm_running_statistics(
+        nonfinite):
     model = place(chainer.Sequential(
         L.Linear(6, 4), L.BatchNormalization(4), L.Linear(4, 3)))
-    opt = chainerkfac.optimizers.KFAC(nonfinite='skip')
+    opt = chainerkfac.optimizers.KFAC(nonfinite=nonfinite)
     opt.setup(model)
     x, t = data(dtype=numpy.float32)
     lossfun = lambda x, t: F.softmax_cross_entropy(model(x), t)  # NOQA
@@ -499,9 +502,27 @@ def test_skipped_step_keeps_batch_norm_running_statistics():
     bn = model[1]
     before = host(bn.avg_mean).copy(), host(bn.avg_var).copy()
     x[0, 0] = numpy.nan
-    opt.update(lossfun, *send(x, t))
+    if nonfinite == 'skip':
+        opt.update(lossfun, *send(x, t))
+    else:
+        with pytest.raises(chainerkfac.NonFiniteError):
+            opt.update(lossfun, *send(x, t))
     numpy.testing.assert_array_equal(host(bn.avg_mean), before[0])
     numpy.testing.assert_array_equal(host(bn.avg_var), before[1])
+
+
+def test_skipping_escalates_after_max_skipped_steps_in_a_row():
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC(nonfinite='skip', max_skipped_steps=3)
+    opt.setup(model)
+    x, t = data()
+    bad = x.copy()
+    bad[0, 0] = numpy.nan
+    for batch in (bad, bad, x, bad, bad):  # a good step resets the count
+        opt.update(loss_fn(model), *send(batch, t))
+    with pytest.raises(chainerkfac.NonFiniteError,
+                       match='3 steps in a row .* iteration 6 .*/l1/W'):
+        opt.update(loss_fn(model), *send(bad, t))
 
 
 def test_parallel_block_work_keeps_block_order():

@@ -203,8 +203,13 @@ class KFAC(optimizer.GradientMethod):
         nonfinite (str): On a NaN or Inf in a gradient or factor, ``'raise'``
             a :class:`~chainerkfac.curvature.NonFiniteError` naming it, or
             ``'skip'`` the step (reported as ``kfac/skipped_steps``); with
-            ``update(lossfun, ...)`` a skipped step also leaves BatchNorm's
-            running statistics as they were.
+            ``update(lossfun, ...)`` a skipped step (or one that raises)
+            also leaves BatchNorm's running statistics as they were.
+        max_skipped_steps (int): After this many skipped steps in a row
+            (non-finite gradients with ``nonfinite='skip'``, or overflows
+            under Chainer's dynamic loss scaling), raise a
+            :class:`~chainerkfac.curvature.NonFiniteError` naming the last
+            non-finite gradient, instead of skipping for ever.
         precondition (bool): ``False`` turns K-FAC off entirely (no hooks, no
             statistics): the optimizer is then exactly MomentumSGD.
         spatial_subsample (int): Convolution A factors from every
@@ -247,7 +252,7 @@ class KFAC(optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 kl_clip_batch=64, divergence='warn'):
+                 kl_clip_batch=64, divergence='warn', max_skipped_steps=100):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -289,6 +294,10 @@ class KFAC(optimizer.GradientMethod):
                                              'batch_subsample')
         self.kl_clip_batch = None if kl_clip_batch is None else \
             _positive_int(kl_clip_batch, 'kl_clip_batch')
+        self.max_skipped_steps = _positive_int(max_skipped_steps,
+                                               'max_skipped_steps')
+        self._skipped_in_a_row = 0
+        self._last_nonfinite = None
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
@@ -383,11 +392,34 @@ class KFAC(optimizer.GradientMethod):
         _check_hyperparameters(self.hyperparam,
                                'iteration {}'.format(self.t + 1))
         self._stages.prepare(self)
-        running = None
+        # The forward pass moves BatchNorm's running averages: put them back
+        # when the step is skipped or raises.
+        running = [] if lossfun is None else self._running_statistics()
+        try:
+            taken, mean_loss, scale = self._step(lossfun, args, kwds)
+        except BaseException:
+            _restore(running)
+            raise
+        if taken:
+            self._skipped_in_a_row = 0
+            self._monitor.observe(self.t, mean_loss, scale)
+        else:
+            _restore(running)
+            self._skipped_in_a_row += 1
+            if self._skipped_in_a_row >= self.max_skipped_steps:
+                raise base.NonFiniteError(
+                    '{} steps in a row skipped up to iteration {} (the last '
+                    'non-finite gradient this process saw: {}); KFAC '
+                    'max_skipped_steps={}'.format(
+                        self._skipped_in_a_row, self.t,
+                        self._last_nonfinite or 'none, another process or '
+                        'the loss scaling skipped', self.max_skipped_steps))
+
+    def _step(self, lossfun, args, kwds):
+        """Gradients (with ``lossfun``), the curvature and the update rule;
+        returns ``(taken, mean loss or None, the guard's scale)``."""
         mean_loss = None
         if lossfun is not None:
-            if self.nonfinite == 'skip':
-                running = self._running_statistics()
             self.target.cleargrads()
             losses = []
             for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
@@ -405,22 +437,20 @@ class KFAC(optimizer.GradientMethod):
         self.check_nan_in_grads()
         self.call_hooks('pre')
         self.t += 1
-        if self._stages.agree(self.is_safe_to_update()
-                              and self._check_finite_gradients()):
+        taken = self._stages.agree(self.is_safe_to_update()
+                                   and self._check_finite_gradients())
+        scale = None
+        if taken:
             samples = self._hook.batch_size if self._hook else None
             if samples is not None and lossfun is not None:
                 samples *= self.acc_iters
             scale = self.update_curvature(stats, samples)
             for param in self.target.params():
                 param.update()
-            self._monitor.observe(self.t, mean_loss, scale)
-        elif running is not None:
-            # The skipped batch's forward pass already moved them.
-            for array, saved in running:
-                array[...] = saved
         self.reallocate_cleared_grads()
         self.call_hooks('post')
         self.update_loss_scale()
+        return taken, mean_loss, scale
 
     def _micro_batches(self, args, kwds):
         k = self.acc_iters
@@ -465,6 +495,7 @@ class KFAC(optimizer.GradientMethod):
                         .format(name, self.t))
                 logger.warning('skipping iteration %d: non-finite gradient '
                                'in %s', self.t, name)
+                self._last_nonfinite = name
                 chainer.report({'kfac/skipped_steps': 1})
                 return False
         return True
@@ -531,6 +562,11 @@ class KFAC(optimizer.GradientMethod):
         super().serialize(serializer)
         for block in self.blocks:
             block.serialize(serializer['kfac'][block.name])
+
+
+def _restore(running):
+    for array, saved in running:
+        array[...] = saved
 
 
 def _all_finite(arrays):
