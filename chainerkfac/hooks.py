@@ -8,8 +8,8 @@ attached to the output's creator node to catch ``∂L/∂y`` during backward.
 
 Evaluation passes (``chainer.config.train`` false) and passes without
 backprop never touch the statistics. Every training pass, stale ones
-included, records its batch size, which the update-norm guard's bound
-follows.
+included, counts its samples, whose total since the last step the
+update-norm guard's bound follows.
 """
 import chainer
 
@@ -38,9 +38,9 @@ class StatisticsHook(chainer.LinkHook):
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
 
-    Attributes:
-        batch_size (int or None): Samples in the latest training forward
-            pass of a link with a block (its input's first axis).
+    The samples of the training forward passes since the last step are
+    counted per link (its input's first axis); :meth:`take_batch_size`
+    gives the step's batch.
     """
 
     name = 'chainerkfac_statistics'
@@ -48,7 +48,7 @@ class StatisticsHook(chainer.LinkHook):
     def __init__(self, blocks, next_step):
         self.blocks = blocks
         self.next_step = next_step
-        self.batch_size = None
+        self._samples = {}
 
     def forward_postprocess(self, args):
         config = chainer.config
@@ -58,7 +58,8 @@ class StatisticsHook(chainer.LinkHook):
         if block is None:
             return
         x = args.args[0] if args.args else args.kwargs['x']
-        self.batch_size = len(x)
+        key = id(args.link)
+        self._samples[key] = self._samples.get(key, 0) + len(x)
         wanted = block.wanted(self.next_step())
         if not wanted:
             return
@@ -72,3 +73,12 @@ class StatisticsHook(chainer.LinkHook):
             return
         index = [ref() for ref in node.outputs].index(out.node)
         node.add_hook(OutputGradientHook(block, context, index))
+
+    def take_batch_size(self):
+        """Samples fed since the last call, or ``None`` if none: all the
+        forward passes of a step (micro-batches, or a manual loop's several
+        backward passes), counted at the link that saw the fewest, since a
+        link called once per time step (an LSTM's ``lateral``) sees each
+        sample several times."""
+        samples, self._samples = self._samples, {}
+        return min(samples.values()) if samples else None

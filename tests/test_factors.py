@@ -55,12 +55,13 @@ def test_linear_factors(nobias):
     numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
 
 
+@pytest.mark.parametrize('link_class', [
+    L.Convolution2D, L.DilatedConvolution2D])
 @pytest.mark.parametrize('stride,pad,dilate', [
     (1, 0, 1), ((2, 1), 1, 1), (1, (2, 1), 2), (2, 1, (1, 2))])
-def test_convolution_2d_factors(stride, pad, dilate):
+def test_convolution_2d_factors(link_class, stride, pad, dilate):
     rng = numpy.random.RandomState(1)
-    link = L.Convolution2D(2, 3, (3, 2), stride=stride, pad=pad,
-                           dilate=dilate)
+    link = link_class(2, 3, (3, 2), stride=stride, pad=pad, dilate=dilate)
     link.W.array = rng.randn(*link.W.shape)
     link.b.array = rng.randn(3)
     x = rng.randn(4, 2, 7, 6)

@@ -102,12 +102,13 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
 
 
 @pytest.mark.parametrize('kl_clip_batch,acc_iters,manual,batch', [
-    (None, 1, False, 16), (64, 1, False, 16), (64, 2, False, 16),
-    (4, 1, True, 16), (64, 1, False, 48)])
+    (None, 1, 0, 16), (64, 1, 0, 16), (64, 2, 0, 16),
+    (4, 1, 1, 16), (4, 1, 4, 16), (64, 1, 0, 48)])
 def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
                                           batch):
     # κ = kl_clip · B / kl_clip_batch, B the whole batch however it was fed
-    # (micro-batches of acc_iters, or the user's own forward and backward).
+    # (micro-batches of acc_iters, or the user's own forward and backward
+    # passes, ``manual`` of them).
     kl_clip = 1e-4
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
@@ -119,7 +120,8 @@ def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
     with chainer.Reporter().scope(observation):
         if manual:
             model.cleargrads()
-            loss_fn(model)(x, t).backward()
+            for xs, ts in zip(numpy.split(x, manual), numpy.split(t, manual)):
+                loss_fn(model)(xs, ts).backward()
             opt.update()
         else:
             opt.update(loss_fn(model), x, t)
@@ -460,6 +462,7 @@ def test_reports_and_describe():
     opt.setup(place(model))
     text = opt.describe()
     assert 'l1' in text and 'K-FAC' in text and '/emb/W' in text
+    assert 'momentum SGD: no Fisher block for EmbedID' in text
     reporter = chainer.Reporter()
     observation = {}
     with reporter.scope(observation):

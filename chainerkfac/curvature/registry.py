@@ -32,4 +32,6 @@ def lookup(link):
 
 register(L.Linear, linear.LinearBlock)
 register(L.Convolution2D, convolution_2d.Convolution2DBlock)
+# The same im2col Kronecker factors, with its dilation (not a subclass).
+register(L.DilatedConvolution2D, convolution_2d.Convolution2DBlock)
 register(L.BatchNormalization, batch_normalization.BatchNormalizationBlock)

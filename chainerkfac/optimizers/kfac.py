@@ -230,9 +230,9 @@ class KFAC(optimizer.GradientMethod):
             ``None`` turns the guard off.
         kl_clip_batch (int or None): The global batch at which the bound is
             ``kl_clip``; it grows in proportion to the batch,
-            ``κ = kl_clip · B / kl_clip_batch`` (the batch of the latest
-            training forward pass, times ``acc_iters``, summed over
-            processes). ``None`` keeps ``κ = kl_clip`` at every batch.
+            ``κ = kl_clip · B / kl_clip_batch`` (the samples of the training
+            forward passes since the previous step, micro-batches and a
+            manual loop's several passes included, summed over processes). ``None`` keeps ``κ = kl_clip`` at every batch.
         divergence (str): On a sign of a finite divergence (the loss over
             100 times its first value, or the guard scaling every update
             by less than 1e-3 for 100 steps;
@@ -336,6 +336,9 @@ class KFAC(optimizer.GradientMethod):
             name = path.strip('/') or '(root)'
             block_class = registry.lookup(child)
             if block_class is None:
+                if _owns_parameters(child):
+                    self._unsupported.append((name, 'no Fisher block for {}'
+                                              .format(type(child).__name__)))
                 continue
             reason = block_class.unsupported_reason(child)
             if reason is not None:
@@ -437,13 +440,11 @@ class KFAC(optimizer.GradientMethod):
         self.check_nan_in_grads()
         self.call_hooks('pre')
         self.t += 1
+        samples = self._hook.take_batch_size() if self._hook else None
         taken = self._stages.agree(self.is_safe_to_update()
                                    and self._check_finite_gradients())
         scale = None
         if taken:
-            samples = self._hook.batch_size if self._hook else None
-            if samples is not None and lossfun is not None:
-                samples *= self.acc_iters
             scale = self.update_curvature(stats, samples)
             for param in self.target.params():
                 param.update()
@@ -562,6 +563,12 @@ class KFAC(optimizer.GradientMethod):
         super().serialize(serializer)
         for block in self.blocks:
             block.serialize(serializer['kfac'][block.name])
+
+
+def _owns_parameters(link):
+    """Whether ``link`` holds parameters itself (not only in children)."""
+    return any(name.count('/') == 1
+               for name, _ in link.namedparams(include_uninit=True))
 
 
 def _restore(running):
