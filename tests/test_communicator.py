@@ -48,6 +48,12 @@ def test_check_same_structure_names_parameter_and_ranks():
     assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout
 
 
+def test_ranks_with_other_kfac_options_stop_at_setup_naming_them():
+    result = run_mpi(2, script_path('options_check.py'), timeout=120)
+    assert result.returncode == 0, describe(result)
+    assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout
+
+
 def test_exception_on_one_rank_ends_the_job():
     start = time.monotonic()
     result = run_mpi(2, script_path('raise_on_one_rank.py'), timeout=60)

@@ -390,3 +390,15 @@ def test_distributed_example_and_resume(tmp_path):
     assert [entry['epoch'] for entry in log] == [1, 2]
     assert log[-1]['validation/main/accuracy'] > 0.6
     assert os.path.exists(os.path.join(out, 'snapshot_epoch_2.rank1'))
+
+
+def test_failure_modes_name_tests_that_exist():
+    # docs/guide/failure_modes.md: every `tests/FILE.py::NAME` it cites is
+    # a test function of that file.
+    with open(os.path.join(DOCS, 'guide', 'failure_modes.md')) as f:
+        cited = re.findall(r'`(tests/[\w/]+\.py)::(\w+)`', f.read())
+    assert len(cited) >= 10
+    for path, name in cited:
+        with open(os.path.join(mpi_helpers.REPO_ROOT, path)) as f:
+            assert re.search(r'^def {}\('.format(name), f.read(), re.M), \
+                (path, name)

@@ -8,7 +8,8 @@ from chainerkfac.distributed.assignment import assign_blocks  # NOQA
 from chainerkfac.distributed.assignment import assign_blocks_by_count  # NOQA
 from chainerkfac.distributed.assignment import Assignment  # NOQA
 from chainerkfac.distributed.assignment import BlockCost  # NOQA
-from chainerkfac.distributed.communicator import check_same_structure  # NOQA
+from chainerkfac.distributed.consistency import check_same_options  # NOQA
+from chainerkfac.distributed.consistency import check_same_structure  # NOQA
 from chainerkfac.distributed.communicator import create_communicator  # NOQA
 from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA

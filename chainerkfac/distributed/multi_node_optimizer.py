@@ -34,7 +34,7 @@ from chainerkfac import linalg
 from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import cholesky
-from chainerkfac.distributed import communicator as communicator_module
+from chainerkfac.distributed import consistency
 from chainerkfac.optimizers import kfac
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,18 @@ class HybridParallelStages(kfac.LocalStages):
     # -- set-up -----------------------------------------------------------
 
     def setup(self, optimizer):
-        communicator_module.check_same_structure(self.comm, optimizer.target)
+        consistency.check_same_structure(self.comm, optimizer.target)
+        self._check_options(optimizer)
         self._broadcast_parameters(optimizer)
+
+    def _check_options(self, optimizer):
+        try:
+            consistency.check_same_options(
+                self.comm, optimizer,
+                [('max_load_imbalance', repr(self.max_load_imbalance))])
+        except ValueError as e:
+            raise ValueError('{} (at iteration {}: changed on some ranks '
+                             'after setup)'.format(e, optimizer.t)) from None
 
     def _broadcast_parameters(self, optimizer):
         # Every rank starts from rank 0's parameters; lazily initialised
@@ -445,7 +455,10 @@ class HybridParallelStages(kfac.LocalStages):
         """All-gathers the preconditioned gradients, with the change rates
         of refreshed factors and each rank's terms of the update-norm guard
         (its part of ``Σ_b ⟨V_b, ∇_b⟩`` and its batch size), which every
-        rank adds up in rank order."""
+        rank adds up in rank order, and a digest of its options
+        (:func:`~chainerkfac.distributed.consistency.options_digest`): an
+        option changed on some ranks only after setup stops every rank
+        here, naming it."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
@@ -455,6 +468,7 @@ class HybridParallelStages(kfac.LocalStages):
         items = self.assignment.buffer_order()
         sizes = {(i, s): self._part_size(i, s)
                  + (len(refreshed[i]) if s == 0 else 0) for i, s in items}
+        terms = tuple(terms) + (consistency.options_digest(optimizer),)
         n_terms = len(terms)
         counts = [count + n_terms for count in
                   self.assignment.segment_counts(sizes)]
@@ -487,8 +501,11 @@ class HybridParallelStages(kfac.LocalStages):
         ends = numpy.cumsum(counts)
         slots = numpy.concatenate([numpy.arange(end - n_terms, end)
                                    for end in ends])
-        totals = tuple(float(v) for v in
-                       everything[slots].reshape(-1, n_terms).sum(axis=0))
+        rows = backend.CpuDevice().send(
+            everything[slots]).reshape(-1, n_terms)
+        if (rows[:, -1] != rows[0, -1]).any():
+            self._check_options(optimizer)
+        totals = tuple(float(v) for v in rows[:, :-1].sum(axis=0))
         guard_slots = set(slots.tolist())
         offset = 0
         for i, s in items:

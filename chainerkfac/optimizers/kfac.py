@@ -232,7 +232,8 @@ class KFAC(optimizer.GradientMethod):
             ``kl_clip``; it grows in proportion to the batch,
             ``κ = kl_clip · B / kl_clip_batch`` (the samples of the training
             forward passes since the previous step, micro-batches and a
-            manual loop's several passes included, summed over processes). ``None`` keeps ``κ = kl_clip`` at every batch.
+            manual loop's several passes included, summed over processes).
+            ``None`` keeps ``κ = kl_clip`` at every batch.
         divergence (str): On a sign of a finite divergence (the loss over
             100 times its first value, or the guard scaling every update
             by less than 1e-3 for 100 steps;
@@ -323,6 +324,7 @@ class KFAC(optimizer.GradientMethod):
         self.blocks = []
         self._unsupported = []
         if not self.use_kfac:
+            self._stages.setup(self)
             return self
         options = base.BlockOptions(
             factor_intervals=self.factor_interval,
@@ -378,6 +380,27 @@ class KFAC(optimizer.GradientMethod):
             lines.append('  momentum SGD parameters: {}'.format(
                 ', '.join(sgd)))
         return '\n'.join(lines)
+
+    def option_values(self):
+        """``{option: text}``: every constructor option and hyperparameter
+        as text that two processes which set the same values print alike
+        (a schedule by its ``repr``, a plain function by its name), for
+        comparing processes (:mod:`chainerkfac.distributed.consistency`).
+        """
+        values = {name: getattr(self.hyperparam, name)
+                  for name in _HYPERPARAMETER_RULES}
+        values.update(
+            inverse=self.inverse, bn_fisher=self.bn_fisher,
+            factor_interval_A=self.factor_interval['A'],
+            factor_interval_G=self.factor_interval['G'],
+            inverse_interval=self.inverse_interval, acc_iters=self.acc_iters,
+            spatial_subsample=self.spatial_subsample,
+            batch_subsample=self.batch_subsample,
+            kl_clip_batch=self.kl_clip_batch, nonfinite=self.nonfinite,
+            divergence=self.divergence,
+            max_skipped_steps=self.max_skipped_steps,
+            precondition=self.use_kfac)
+        return {name: _option_text(value) for name, value in values.items()}
 
     # -- the step -----------------------------------------------------------
 
@@ -563,6 +586,16 @@ class KFAC(optimizer.GradientMethod):
         super().serialize(serializer)
         for block in self.blocks:
             block.serialize(serializer['kfac'][block.name])
+
+
+def _option_text(value):
+    text = repr(value)
+    if ' at 0x' in text:
+        # A function's repr holds its address, which differs by process.
+        return 'callable {}.{}'.format(
+            getattr(value, '__module__', '?'),
+            getattr(value, '__qualname__', type(value).__name__))
+    return text
 
 
 def _owns_parameters(link):

@@ -5,9 +5,8 @@
 
 A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks (the
-all-gather-v also two numbers per rank, its terms of the update-norm
-guard's sums), and the
-allreduce carries the other gradients and the BatchNorm running statistics.
+all-gather-v also three numbers per rank, its terms of the update-norm
+guard's sums and the digest of its options), and the allreduce carries the other gradients and the BatchNorm running statistics.
 A refresh step adds the upper triangles of the refreshed factors. Replicas,
 running statistics included, stay identical. With ``--split`` two blocks
 of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
@@ -73,7 +72,7 @@ def main():
         rates = 5 if refresh else 0  # one change rate per refreshed factor
         expected = {
             'kfac/bytes/reduce_scatter_v': (grads + factors) * itemsize,
-            'kfac/bytes/all_gather_v': (grads + rates + 2 * comm.size)
+            'kfac/bytes/all_gather_v': (grads + rates + 3 * comm.size)
             * itemsize,
             'kfac/bytes/allreduce': replicated * itemsize,
         }
@@ -125,7 +124,8 @@ def main_split():
         assert forms == ['explicit', 'cholesky'], (forms, assignment)
         refresh = step in (1, 4)
         scattered = sent = broadcast = 0
-        gathered = 2 * comm.size  # each rank's terms of the guard's sums
+        # Each rank's terms of the guard's sums and its options digest.
+        gathered = 3 * comm.size
         if step == 1:
             # The parameters of rank 0, broadcast before the first update.
             broadcast += sum(p.size for p in model.params())

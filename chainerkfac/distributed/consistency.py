@@ -1,0 +1,78 @@
+"""Checks that every rank runs the same model with the same options.
+
+Ranks that disagree would pack buffers of different layouts, or call
+collectives at different steps, and either hang, crash in MPI with an error
+that names nothing ("Message truncated"), or train silently on different
+trajectories. Each check is one object all-gather at set-up (nothing at
+size 1) and raises the same ``ValueError`` on every rank, naming the first
+item that differs and which ranks hold which version of it.
+"""
+import zlib
+
+
+def check_same(comm, items, what):
+    """Raises ``ValueError`` on every rank unless all ranks pass the same
+    ``items``, a list of ``(name, description)`` pairs; ``what`` names
+    the kind of item in the message ("parameter", "option")."""
+    if comm.size == 1:
+        return
+    everyone = comm.mpi_comm.allgather(list(items))
+    if all(theirs == everyone[0] for theirs in everyone[1:]):
+        return
+    per_rank = [dict(theirs) for theirs in everyone]
+    order = [name for theirs in everyone for name, _ in theirs]
+    for name in sorted(set(order), key=order.index):
+        versions = {}
+        for rank, described in enumerate(per_rank):
+            versions.setdefault(described.get(name, 'missing'),
+                                []).append(rank)
+        if len(versions) > 1:
+            raise ValueError(
+                '{} differs between ranks, first at {} {!r}: {}'.format(
+                    'the model' if what == 'parameter' else 'KFAC', what,
+                    name, '; '.join(
+                        '{} on rank{} {}'.format(
+                            version, 's' if len(ranks) > 1 else '',
+                            ', '.join(map(str, ranks)))
+                        for version, ranks in versions.items())))
+    raise ValueError('the {}s are in a different order on some ranks: {}'
+                     .format(what, '; '.join(
+                         'rank {}: {}'.format(rank, ', '.join(
+                             name for name, _ in theirs))
+                         for rank, theirs in enumerate(everyone))))
+
+
+def check_same_structure(comm, link):
+    """Raises ``ValueError`` on every rank unless all ranks hold the same
+    parameters: the name, shape and dtype of every parameter of ``link``,
+    in name order."""
+    check_same(comm, [(name, _describe(param))
+                      for name, param in sorted(link.namedparams())],
+               'parameter')
+
+
+def check_same_options(comm, optimizer, extra=()):
+    """Raises ``ValueError`` on every rank unless all ranks built the
+    optimizer with the same options and hyperparameters
+    (:meth:`chainerkfac.optimizers.KFAC.option_values`), the same K-FAC
+    links in the same order, and the same ``extra`` ``(name, text)``
+    options of the caller."""
+    items = list(optimizer.option_values().items()) + list(extra)
+    items.append(('K-FAC links', ', '.join(b.name for b in optimizer.blocks)))
+    check_same(comm, items, 'option')
+
+
+def options_digest(optimizer):
+    """A number in ``[0, 2039)`` that differs, but for one chance in 2039,
+    between processes whose options or hyperparameters differ. It rides the
+    all-gather of every step, so a value changed on some ranks only (an
+    extension that only rank 0 runs) is found within a step; a float16
+    buffer holds the integers below 2048 exactly."""
+    text = repr(sorted(optimizer.option_values().items()))
+    return zlib.crc32(text.encode()) % 2039
+
+
+def _describe(param):
+    if param.array is None:
+        return 'uninitialized'
+    return 'shape {} {}'.format(tuple(param.shape), param.dtype)
