@@ -89,9 +89,10 @@ def evaluate(model, x, y):
 
 
 def train(spec):
-    """One run: ``spec`` = (optimizer, base lr, batch, seed, epochs,
-    warm-up epochs). Returns its per-epoch curve."""
-    name, base_lr, batch, seed, epochs, warmup_epochs = spec
+    """One run: ``spec`` = (optimizer, base lr, K-FAC's ``kl_clip`` (None
+    for MomentumSGD), batch, seed, epochs, warm-up epochs). Returns its
+    per-epoch curve."""
+    name, base_lr, kl_clip, batch, seed, epochs, warmup_epochs = spec
     harness.limit_threads(1)
     harness.keep_freed_memory()
     (x_tr, y_tr), (x_val, y_val) = _DATA['data']
@@ -103,8 +104,7 @@ def train(spec):
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
-                                                **options)
-        kl_clip = optimizer.kl_clip
+                                                kl_clip=kl_clip, **options)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
     steps = len(x_tr) // batch
@@ -129,14 +129,25 @@ def train(spec):
                       'train_loss': loss_value})
         if not numpy.isfinite(loss_value):
             break
-    return {'optimizer': name, 'base_lr': base_lr, 'batch': batch,
-            'seed': seed, 'epochs': epochs, 'warmup_epochs': warmup_epochs,
-            'curve': curve}
+    return {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,
+            'batch': batch, 'seed': seed, 'epochs': epochs,
+            'warmup_epochs': warmup_epochs, 'curve': curve}
+
+
+def _setting(run):
+    """What the grid varies: the base lr, and K-FAC's bound."""
+    return run['base_lr'], run['kl_clip']
+
+
+def _setting_text(setting):
+    lr, kl_clip = setting
+    return 'lr {:g}'.format(lr) + (
+        '' if kl_clip is None else ', kl_clip {:g}'.format(kl_clip))
 
 
 def _key(run):
-    return (run['optimizer'], run['base_lr'], run['batch'], run['seed'],
-            run['epochs'])
+    return (run['optimizer'],) + _setting(run) + (
+        run['batch'], run['seed'], run['epochs'])
 
 
 def _median(values):
@@ -158,15 +169,15 @@ def summarise(runs):
     figures (best: the highest mean final validation accuracy)."""
     groups = {}
     for run in runs:
-        groups.setdefault((run['batch'], run['optimizer'], run['base_lr']),
+        groups.setdefault((run['batch'], run['optimizer'], _setting(run)),
                           []).append(run)
     best = {}
-    for (batch, name, lr), group in groups.items():
+    for (batch, name, setting), group in groups.items():
         final = numpy.mean([g['curve'][-1]['val_accuracy'] for g in group])
         old = best.get((batch, name))
         if old is None or final > old['final_accuracy']:
             best[(batch, name)] = {
-                'base_lr': lr, 'runs': group, 'seeds': len(group),
+                'setting': setting, 'runs': group, 'seeds': len(group),
                 'final_accuracy': float(final),
                 'final_val_loss': float(numpy.mean(
                     [g['curve'][-1]['val_loss'] for g in group]))}
@@ -182,9 +193,13 @@ def summarise(runs):
                 continue
             reached = [_to_target(r, target) for r in entry['runs']]
             rows[name] = {
-                'base_lr': entry['base_lr'], 'seeds': entry['seeds'],
-                'lrs_tried': sorted(lr for (bb, n, lr) in groups
-                                    if bb == batch and n == name),
+                'setting': _setting_text(entry['setting']),
+                'seeds': entry['seeds'],
+                'grid': {_setting_text(st): len(groups[batch, name, st])
+                         for (bb, n, st) in sorted(
+                             groups, key=lambda k: (k[0], k[1], k[2][0],
+                                                    k[2][1] or 0))
+                         if bb == batch and n == name},
                 'final_accuracy': entry['final_accuracy'],
                 'final_val_loss': entry['final_val_loss'],
                 'epochs_to_target': _median([e for e, _ in reached]),
@@ -209,9 +224,8 @@ def report(summary):
                 sgd[k] == float('inf') else
                 '{:.2f}'.format(row[k] / sgd[k])
                 for k in ('epochs_to_target', 'seconds_to_target')]
-            rows.append([name, '{:g} ({})'.format(
-                row['base_lr'], ', '.join('{:g}'.format(v)
-                                          for v in row['lrs_tried'])),
+            rows.append([name, row['setting'], '; '.join(
+                '{} ({})'.format(st, n) for st, n in row['grid'].items()),
                 str(row['seeds']),
                 '{:.3f}'.format(row['final_accuracy']),
                 '{:.3f}'.format(row['final_val_loss']),
@@ -222,7 +236,7 @@ def report(summary):
         lines.append('### batch {} (target {:.1%}: MomentumSGD\'s best final '
                      'accuracy - 0.5 point)\n'.format(batch, entry['target']))
         lines.append(harness.table(rows, [
-            'optimizer', 'best base lr (grid)', 'seeds',
+            'optimizer', 'best setting', 'grid (seeds)', 'seeds',
             'final val accuracy', 'final val loss', 'median epochs to target',
             'median seconds to target', 'seeds reaching',
             'epochs vs SGD', 'seconds vs SGD']))
@@ -246,8 +260,8 @@ def plot(best, path):
                 continue
             for k, run in enumerate(entry['runs']):
                 c = run['curve']
-                label = '{} (base lr {:g})'.format(
-                    name, entry['base_lr']) if k == 0 else None
+                label = '{} ({})'.format(
+                    name, _setting_text(entry['setting'])) if k == 0 else None
                 for col, (x, y) in enumerate((
                         ('epoch', 'val_accuracy'), ('seconds', 'val_accuracy'),
                         ('epoch', 'val_loss'), ('seconds', 'val_loss'))):
@@ -298,14 +312,18 @@ def write(runs, environment, out=OUT):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--batches', default='1024')
-    parser.add_argument('--lrs-sgd', default='0.05,0.1,0.2,0.4')
-    parser.add_argument('--lrs-kfac', default='0.05,0.1,0.2,0.4')
+    parser.add_argument('--lrs-sgd', default='0.1,0.2,0.4,0.8')
+    parser.add_argument('--lrs-kfac', default='0.1')
+    parser.add_argument('--kl-clips', default='1e-4,1e-3,1e-2,1e-1',
+                        help='K-FAC\'s bounds (kl_clip at batch 64), each '
+                        'with every --lrs-kfac')
     parser.add_argument('--seeds', type=int, default=3)
     parser.add_argument('--epochs', type=int, default=20)
     parser.add_argument('--warmup', type=int, default=2,
                         help='warm-up epochs')
     parser.add_argument('--stale', action='store_true',
-                        help='also the stale schedules at K-FAC\'s best lr')
+                        help='also the stale schedules at K-FAC\'s best '
+                        'setting')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -319,33 +337,34 @@ def main(argv=None):
         return
     done = {_key(r) for r in runs}
     batches = [int(b) for b in args.batches.split(',')]
-    specs = []
-    for seed in range(args.seeds):
-        for batch in batches:
-            for name, lrs in (('sgd', args.lrs_sgd), ('kfac', args.lrs_kfac)):
-                for lr in (float(v) for v in lrs.split(',')):
-                    specs.append((name, lr, batch, seed, args.epochs,
-                                  args.warmup))
+    grids = {'sgd': [(float(lr), None) for lr in args.lrs_sgd.split(',')],
+             'kfac': [(float(lr), float(kl))
+                      for kl in args.kl_clips.split(',')
+                      for lr in args.lrs_kfac.split(',')]}
+    specs = [(name, lr, kl, batch, seed, args.epochs, args.warmup)
+             for seed in range(args.seeds) for batch in batches
+             for name, grid in grids.items() for lr, kl in grid]
     if args.stale:
         _, best = summarise(runs)
         for batch in batches:
             if (batch, 'kfac') not in best:
                 parser.error('--stale needs the kfac grid at batch {} '
                              'first'.format(batch))
-            lr = best[(batch, 'kfac')]['base_lr']
-            specs += [(name, lr, batch, seed, args.epochs, args.warmup)
+            lr, kl = best[(batch, 'kfac')]['setting']
+            specs += [(name, lr, kl, batch, seed, args.epochs, args.warmup)
                       for seed in range(args.seeds) for name in STALE]
-    specs = [s for s in specs if (s[0], s[1], s[2], s[3], s[4]) not in done]
+    specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)
     with multiprocessing.get_context('fork').Pool(args.jobs) as pool:
         for run in pool.imap_unordered(train, specs):
             runs.append(run)
             last = run['curve'][-1]
-            print('{optimizer} base lr {base_lr} batch {batch} seed {seed}: '
-                  .format(**run) + 'final accuracy {:.3f}, loss {:.3f}, '
-                  '{:.0f} s'.format(last['val_accuracy'], last['val_loss'],
-                                    last['seconds']), flush=True)
+            print('{} {} batch {batch} seed {seed}: '.format(
+                run['optimizer'], _setting_text(_setting(run)), **run)
+                + 'final accuracy {:.3f}, loss {:.3f}, {:.0f} s'.format(
+                    last['val_accuracy'], last['val_loss'], last['seconds']),
+                flush=True)
             path, text = write(runs, environment, args.out)
     print(text)
     print('written', path)
