@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 PYTEST_FLAGS ?= -q
 
-.PHONY: demo compare test test-numpy2 test-numpy1 clean
+.PHONY: demo compare test test-numpy2 test-numpy1 lint clean
 
 PKG_SOURCES := setup.py chainerkfac_numpy_compat.py chainerkfac-numpy-compat.pth \
 	$(shell find chainerkfac -name '*.py')
@@ -67,6 +67,10 @@ test-numpy1: $(VENV_NP1)/.installed
 
 # pytest exits 5 when it collects nothing; make treats that as a failure.
 test: test-numpy2 test-numpy1
+
+# Style (flake8, settings in .flake8); CI runs it beside the tests.
+lint: $(VENV)/.deps
+	$(VENV)/bin/python -m flake8
 
 # The documentation site (issue #7): `make docs` builds docs/_build/html.
 # Sphinx goes into .venv beside the test requirements rather than into a venv

@@ -5,10 +5,10 @@
 Runs two K-FAC steps on the small CNN (and ResNet-50 width/4 at 32x32, and
 the MLP) with and without each patch, from the same weights and batch (the
 first with a zero learning rate, so that the second folds the same
-statistics into the factors), and
-prints the largest relative difference of the factors, inverses and parameters (float32
-round-off: about 1e-6 for factors; inverses of ill-conditioned damped factors
-amplify it). Not a timed test.
+statistics into the factors), and prints the largest relative difference
+of the factors, inverses and parameters (float32 round-off: about 1e-6 for
+factors; inverses of ill-conditioned damped factors amplify it). Not a
+timed test.
 """
 import copy
 import os

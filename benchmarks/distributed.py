@@ -258,12 +258,12 @@ def run_mpi(args, runs):
             raw = json.load(f)
         os.remove(out)
         results[key] = {'summary': summarise_mpi(raw),
-                         'load_imbalance': raw['load_imbalance'],
-                         'split_blocks': raw['split_blocks'],
-                         'n_blocks': raw['n_blocks'],
-                         'n_params': raw['n_params'],
-                         'batch_per_rank': raw['batch_per_rank'],
-                         'raw': raw['ranks']}
+                        'load_imbalance': raw['load_imbalance'],
+                        'split_blocks': raw['split_blocks'],
+                        'n_blocks': raw['n_blocks'],
+                        'n_params': raw['n_params'],
+                        'batch_per_rank': raw['batch_per_rank'],
+                        'raw': raw['ranks']}
         print('  {}: {:.0f} s'.format(key, time.time() - t0),
               flush=True)
     return results

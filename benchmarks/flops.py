@@ -78,8 +78,8 @@ class _Shapes(chainer.LinkHook):
             x = args.args[0]
             y = args.out
             W = link.W
-            d_a = W.size // W.shape[0] + int(getattr(link, 'b', None)
-                                              is not None)
+            has_bias = getattr(link, 'b', None) is not None
+            d_a = W.size // W.shape[0] + int(has_bias)
             d_g = W.shape[0]
             T = int(numpy.prod(y.shape[2:])) if y.ndim > 2 else 1
             shifted = None

@@ -370,7 +370,7 @@ def _rewrap(new, wrapped_old):
     return timed
 
 
-# -- training -------------------------------------------------------------------
+# -- training -----------------------------------------------------------------
 
 def train_step(model, optimizer, x, t):
     """One classification step, timed: softmax cross-entropy of
@@ -420,12 +420,12 @@ def table(rows, header):
     """A Markdown table (list of rows of strings)."""
     widths = [max(len(str(r[i])) for r in [header] + rows)
               for i in range(len(header))]
-    lines = ['| ' + ' | '.join(str(h).ljust(w) for h, w in
-                                zip(header, widths)) + ' |',
+    lines = ['| ' + ' | '.join(str(h).ljust(w)
+                               for h, w in zip(header, widths)) + ' |',
              '|' + '|'.join('-' * (w + 2) for w in widths) + '|']
     for r in rows:
-        lines.append('| ' + ' | '.join(str(c).ljust(w) for c, w in
-                                        zip(r, widths)) + ' |')
+        lines.append('| ' + ' | '.join(str(c).ljust(w)
+                                       for c, w in zip(r, widths)) + ' |')
     return '\n'.join(lines)
 
 
@@ -494,8 +494,9 @@ def keep_freed_memory():
     when freed, and returns free memory at the top of its heap to the
     system, so the next step's arrays are fresh pages again, which cost
     time to fault in (on a virtual machine that hands free pages back to
-    its hypervisor, about ten times what rewriting mapped memory costs). With ``M_MMAP_MAX = 0`` and a 2 GiB ``M_TRIM_THRESHOLD``,
-    freed memory stays in the heap for the next step instead.
+    its hypervisor, about ten times what rewriting mapped memory costs).
+    With ``M_MMAP_MAX = 0`` and a 2 GiB ``M_TRIM_THRESHOLD``, freed memory
+    stays in the heap for the next step instead.
     """
     import ctypes
     import ctypes.util

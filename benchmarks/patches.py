@@ -45,7 +45,7 @@ def fused_finite():
         doc='isfinite(grad.sum(float64)) per parameter')
 
 
-# -- Convolution A factors by im2col and syrk everywhere -----------------------
+# -- Convolution A factors by im2col and syrk everywhere ----------------------
 
 def im2col():
     """The A factors as before :func:`shifted_gram
@@ -60,7 +60,7 @@ def im2col():
             'previous implementation)')
 
 
-# -- Kronecker factors from the whole batch's columns at once -------------------
+# -- Kronecker factors from the whole batch's columns at once -----------------
 
 def whole_batch():
     """Every ``Q Qᵀ`` over the whole batch's columns, as before
@@ -85,7 +85,7 @@ def im2col_whole_batch():
                              'batch at once')
 
 
-# -- Factor updates with factor-sized temporaries -------------------------------
+# -- Factor updates with factor-sized temporaries -----------------------------
 
 def _take_statistics_copying(self, loss_scale=None):
     # The batch means in new arrays, as a division out of place made them.

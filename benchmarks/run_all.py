@@ -59,7 +59,7 @@ def load(name):
     return harness.read_json(name + '.json')
 
 
-# -- figures --------------------------------------------------------------------
+# -- figures ------------------------------------------------------------------
 
 def stage_figure(step, path):
     """Stacked bars: median seconds per stage, per configuration and kind."""
@@ -103,7 +103,7 @@ def stage_figure(step, path):
     plt.close(fig)
 
 
-# -- the document -----------------------------------------------------------------
+# -- the document -------------------------------------------------------------
 
 def _env_line(payload):
     env = payload.get('environment', {})
@@ -436,10 +436,10 @@ def _flop_section(step_runs):
     inv = load('inversions')
     if inv:
         lines += ['Batching small inversions (a lever the issue lists): of '
-                  'the {} Kronecker factors of {}, the {} of dimension {} or less '
-                  'take {} together, against {} for all explicit inverses '
-                  '(one float32 factor of each size timed, best of 3: '
-                  '`{}flops.py --inversions`). One batched call could save '
+                  'the {} Kronecker factors of {}, the {} of dimension {} or '
+                  'less take {} together, against {} for all explicit '
+                  'inverses (one float32 factor of each size timed, best of '
+                  '3: `{}flops.py --inversions`). One batched call could save '
                   'at most those {}, so every factor keeps its own LAPACK '
                   'call on the CPU. On a GPU, where every call also pays a '
                   'launch, batching may pay; not measured here.'.format(
@@ -758,17 +758,20 @@ def _shapes_section(shapes):
     return [
         '## Harder task: K-FAC against a tuned large-batch MomentumSGD', '',
         'Command: `{0}compare_shapes.py --batches B --lrs-sgd ... '
-        '--lrs-kfac ... --seeds S --jobs 2`, then `--stale` (runs are kept '
+        '--lrs-kfac ... --kl-clips ... --seeds S --jobs 2`, then '
+        '`--stale` (runs are kept '
         'and added to across invocations; see the script). Generated '
         'colour images ({1}: 10 classes, 24x24), model {2}; both optimizers '
         'with the same recipe: learning rate {3}, momentum {4}, weight '
-        'decay {5}, {6} epochs ({7} of warm-up); K-FAC at its defaults, its bound following '
-        'the square of the schedule\'s factor. Seconds count training '
-        'steps only (two runs at a time on the 2 cores, one BLAS thread '
-        'each).'.format(PREFIX, recipe['data'], recipe['model'],
-                        recipe['lr'], recipe['momentum'],
-                        recipe['weight_decay'], recipe['epochs'],
-                        recipe['warmup_epochs']),
+        'decay {5}, {6} epochs ({7} of warm-up). K-FAC\'s grid spans its '
+        'learning rate and its bound `kl_clip` (at batch 64; the bound '
+        'follows the square of the schedule\'s factor, as the guard\'s `q` '
+        'grows with lr²), every other option at its default. Seconds '
+        'count training steps only (two runs at a time on the 2 cores, '
+        'one BLAS thread each).'.format(
+            PREFIX, recipe['data'], recipe['model'], recipe['lr'],
+            recipe['momentum'], recipe['weight_decay'], recipe['epochs'],
+            recipe['warmup_epochs']),
         '', _env_line(shapes), '', shapes['table'], '',
         '![shapes](benchmarks_figures/{})'.format(png), '']
 

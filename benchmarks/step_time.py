@@ -398,13 +398,11 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches,
         if i >= warmup:
             done = i - warmup + 1
             if done == 1 or done % max(1, steps // 5) == 0 or done == steps:
-                sgd = runners[0].records[-1]['total']
+                times = ', '.join('{} {}'.format(
+                    r.name, harness.fmt_s(r.records[-1]['total']))
+                    for r in runners)
                 print('  {} round {}/{}: {}'.format(
-                    model_name, done, steps, ', '.join(
-                        '{} {}'.format(r.name, harness.fmt_s(
-                            r.records[-1]['total'])) for r in runners)),
-                    flush=True)
-                del sgd
+                    model_name, done, steps, times), flush=True)
     results = analyse(runners)
     if device.xp is not numpy:
         peaks = peak_device_memory(prototype, configs, device, x, t)
@@ -412,8 +410,8 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches,
             results[name]['peak_device_bytes'] = peaks[name]
     del prototype
     blocks = runners[-1].optimizer.blocks if runners[-1].is_kfac else []
-    info = {'description': models_module.DESCRIPTIONS.get(model_name,
-                                                         model_name),
+    info = {'description': models_module.DESCRIPTIONS.get(
+                model_name, model_name),
             'batch': batch, 'input_shape': list(in_shape),
             'n_params': int(sum(p.size for p in runners[0].model.params())),
             'n_blocks': len(blocks), 'steps': steps, 'warmup': warmup,

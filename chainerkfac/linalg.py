@@ -222,7 +222,8 @@ def explicit_inverse_pays(dim_A, dim_G, reuse):
     the products ``2 a g (a + g)`` more slowly, at every step the inverse
     serves. The inverses pay when::
 
-        reuse >= C (a³ + g³) / (3 a g (a + g)),   C = EXPLICIT_INVERSE_BREAK_EVEN
+        reuse >= C (a³ + g³) / (3 a g (a + g)),
+        C = EXPLICIT_INVERSE_BREAK_EVEN
 
     The ratio is at least 1/3 (at ``a = g``), so an inverse used for one
     step is never formed explicitly; it is about 2.7 for a 3x3 convolution

@@ -16,7 +16,8 @@ import numbers
 
 
 class StaleFisher:
-    """The paper's schedule: fresh statistics at first, then a growing interval.
+    """The paper's schedule: fresh statistics at first, then a growing
+    interval.
 
     The Fisher changes quickly during the first ~500 iterations and slowly
     afterwards (Osawa et al. §5.4, Fig. 5). The paper's exact per-epoch

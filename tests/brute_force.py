@@ -19,8 +19,9 @@ def conv_patches(x, ksize, stride, pad, dilate):
                 patch = numpy.zeros((c, kh, kw))
                 for a in range(kh):
                     for b in range(kw):
-                        patch[:, a, b] = xp[i, :, p * stride[0] + a * dilate[0],
-                                            q * stride[1] + b * dilate[1]]
+                        patch[:, a, b] = xp[
+                            i, :, p * stride[0] + a * dilate[0],
+                            q * stride[1] + b * dilate[1]]
                 out[i, p * ow + q] = patch.ravel()
     return out
 

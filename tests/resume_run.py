@@ -77,7 +77,8 @@ def main():
         t = rng.randint(0, 3, 6)
         b = 6 // size
         optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
-                         x[rank * b:(rank + 1) * b], t[rank * b:(rank + 1) * b])
+                         x[rank * b:(rank + 1) * b],
+                         t[rank * b:(rank + 1) * b])
     target = {}
     chainer.serializers.DictionarySerializer(target, path='model/').save(model)
     chainer.serializers.DictionarySerializer(

@@ -7,7 +7,7 @@ import pytest
 
 import chainerkfac
 from tests import brute_force
-from tests import device
+from tests import device  # NOQA: F401 (the skipif conditions use it)
 from tests.device import host, place, send
 
 

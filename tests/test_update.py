@@ -307,10 +307,10 @@ def test_cholesky_precondition_equals_inverse_products():
     numpy.testing.assert_allclose(host(got), expected, rtol=1e-10)
     # One factor explicit and the other Cholesky, for split blocks: parts
     # of the explicit inverse give parts of V.
-    rows = [linalg.mixed_precondition(grad, G_inv=G_inv[I], A_chol=L_A)
-            for I in (slice(0, 1), slice(1, 4))]
-    columns = [linalg.mixed_precondition(grad, A_inv=A_inv[:, J], G_chol=L_G)
-               for J in (slice(0, 5), slice(5, 7))]
+    rows = [linalg.mixed_precondition(grad, G_inv=G_inv[r], A_chol=L_A)
+            for r in (slice(0, 1), slice(1, 4))]
+    columns = [linalg.mixed_precondition(grad, A_inv=A_inv[:, c], G_chol=L_G)
+               for c in (slice(0, 5), slice(5, 7))]
     numpy.testing.assert_allclose(
         numpy.concatenate([host(r) for r in rows]), expected, rtol=1e-10)
     numpy.testing.assert_allclose(

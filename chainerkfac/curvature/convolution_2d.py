@@ -251,4 +251,3 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
         xp = backend.get_array_module(gy)
         Q = xp.ascontiguousarray(gy.reshape(n, out, -1).transpose(1, 0, 2))
         return Q.reshape(out, -1), n
-

@@ -18,7 +18,8 @@ _blocks = {}
 
 
 def register(link_class, block_class):
-    """Serves links of ``link_class`` (and its subclasses) by ``block_class``."""
+    """Serves links of ``link_class`` (and its subclasses) by
+    ``block_class``."""
     _blocks[link_class] = block_class
 
 

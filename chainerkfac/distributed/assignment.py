@@ -22,10 +22,10 @@ and hands each other rank what its part needs; for inverses that serve few
 steps, the ranks of the block compute the larger factor's Cholesky factor
 together (:mod:`chainerkfac.distributed.cholesky`, for factors of
 :data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows or
-more), so that the factorization is no floor either. Every rank of the block receives its
-whole gradient. Blocks are split only until the load imbalance reaches
-``max_imbalance``: each split moves a copy of the block's gradient more in
-the reduce-scatter.
+more), so that the factorization is no floor either. Every rank of the
+block receives its whole gradient. Blocks are split only until the load
+imbalance reaches ``max_imbalance``: each split moves a copy of the block's
+gradient more in the reduce-scatter.
 
 Everything here is a pure function of (blocks, costs, world size): every rank
 computes the same :class:`Assignment` without communicating.
@@ -136,7 +136,6 @@ class Assignment:
         for i, s in items:
             counts[self.shards[i][s]] += int(sizes[i, s])
         return counts
-
 
     def part_bounds(self, block, length):
         """``[(start, stop), ...]``: the contiguous range of a side of

@@ -6,7 +6,8 @@ all-to-all-v one send and one receive per peer (NCCL 2.7 or later), each
 grouped into a single NCCL launch, so every element still travels once, as
 in ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` / ``MPI_Alltoallv``. A
 group broadcast is the root's sends to the other ranks of the group.
-Importing this module needs CuPy with NCCL. See :mod:`chainerkfac.distributed.communicator`.
+Importing this module needs CuPy with NCCL. See
+:mod:`chainerkfac.distributed.communicator`.
 """
 import cupy
 from cupy.cuda import nccl

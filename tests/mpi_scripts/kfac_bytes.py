@@ -6,7 +6,8 @@
 A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks (the
 all-gather-v also three numbers per rank, its terms of the update-norm
-guard's sums and the digest of its options), and the allreduce carries the other gradients and the BatchNorm running statistics.
+guard's sums and the digest of its options), and the allreduce carries
+the other gradients and the BatchNorm running statistics.
 A refresh step adds the upper triangles of the refreshed factors. Replicas,
 running statistics included, stay identical. With ``--split`` two blocks
 of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
