@@ -91,7 +91,7 @@ def _cholesky_inverse(M):
     xp = backend.get_array_module(M)
     if xp is numpy:
         # LAPACK potrf + potri is about 3x faster than numpy.linalg.inv on
-        # the factors of ResNet-50 (NOTES.md §8).
+        # the factors of ResNet-50 (measured on this project's CPU).
         from scipy.linalg import lapack
         potrf, potri = lapack.get_lapack_funcs(('potrf', 'potri'), (M,))
         c, info = potrf(M, lower=False, clean=False)

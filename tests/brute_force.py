@@ -27,7 +27,8 @@ def conv_patches(x, ksize, stride, pad, dilate):
 
 
 def kronecker_factors(patches, out_grads, bias):
-    """A and G of NOTES.md §1 from per-sample rows.
+    """A and G of :mod:`chainerkfac.curvature.kronecker`'s conventions
+    from per-sample rows.
 
     ``patches``: (n, T, d); ``out_grads``: per-sample ``ĝ = ∂l_i/∂s`` as
     (n, T, out).

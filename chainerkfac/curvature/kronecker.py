@@ -1,6 +1,7 @@
 """Kronecker-factored block ``F ≈ A ⊗ G`` for layers ``s = W̄ ā``.
 
-Conventions (NOTES.md §1; KFC, Grosse & Martens 2016, for convolutions): each
+Conventions (the empirical Fisher of Martens & Grosse 2015; for
+convolutions KFC, Grosse & Martens 2016, §3; Osawa et al. 2019, §3): each
 sample contributes rows ``ā_{i,t}`` (input patches with a homogeneous 1 when
 the layer has a bias) and ``ĝ_{i,t} = n ∂L/∂s_{i,t}`` (the per-sample output
 gradient of a batch-mean loss) for ``T`` positions ``t``::
