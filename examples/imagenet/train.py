@@ -128,7 +128,7 @@ def load_pairs(args, comm):
     return train, val, n_classes
 
 
-def build_datasets(args, config, comm):
+def build_datasets(args, config, comm, seed):
     train, val, n_classes = load_pairs(args, comm)
     train = chainermn.scatter_dataset(train, comm, shuffle=True,
                                       seed=config['seed'])
@@ -149,7 +149,7 @@ def build_datasets(args, config, comm):
     train_transform = schemes.TrainTransform(
         random_crop=config['random_crop'], flip=config['flip'],
         erasing=None if erasing is None else schemes.RandomErasing(**erasing),
-        seed=config['seed'] + comm.rank, **common)
+        seed=seed, **common)
     train = chainer.datasets.TransformDataset(
         chainer.datasets.LabeledImageDataset(train, args.root),
         train_transform)
@@ -159,14 +159,20 @@ def build_datasets(args, config, comm):
     return train, val, n_classes
 
 
-def build_iterators(args, config, train, val):
+def build_iterators(args, config, train, val, seed):
     batchsize = config['batchsize'] * config['acc_iters']
+    # The training order follows the seed; so does the augmentation with
+    # --loaderjob 0 (loader processes take images in the order they finish).
+    order = chainer.iterators.ShuffleOrderSampler(
+        numpy.random.RandomState(seed))
     if args.loaderjob == 0:
-        return (chainer.iterators.SerialIterator(train, batchsize),
+        return (chainer.iterators.SerialIterator(train, batchsize,
+                                                 order_sampler=order),
                 chainer.iterators.SerialIterator(
                     val, config['val_batchsize'], repeat=False, shuffle=False))
     return (chainer.iterators.MultiprocessIterator(
-                train, batchsize, n_processes=args.loaderjob),
+                train, batchsize, n_processes=args.loaderjob,
+                order_sampler=order),
             chainer.iterators.MultiprocessIterator(
                 val, config['val_batchsize'], repeat=False, shuffle=False,
                 n_processes=args.loaderjob))
@@ -271,8 +277,12 @@ def main(argv=None):
     if comm.rank == 0:
         report_global_batch(args, config, comm)
 
-    train, val, n_classes = build_datasets(args, config, comm)
-    train_iter, val_iter = build_iterators(args, config, train, val)
+    # One seed per process governs the initial weights (rank 0's are
+    # broadcast), the data order, the augmentation and the mixup.
+    seed = config['seed'] + comm.rank
+    numpy.random.seed(seed)
+    train, val, n_classes = build_datasets(args, config, comm, seed)
+    train_iter, val_iter = build_iterators(args, config, train, val, seed)
     model = schemes.SoftTargetClassifier(
         models.MODELS[config['model']](n_classes))
     model.to_device(device)
@@ -281,7 +291,7 @@ def main(argv=None):
     converter = chainer.dataset.concat_examples
     if config['mixup_alpha'] is not None:
         converter = schemes.RunningMixup(config['mixup_alpha'], n_classes,
-                                         seed=config['seed'] + comm.rank)
+                                         seed=seed)
     updater = training.StandardUpdater(train_iter, optimizer,
                                        converter=converter, device=device)
     length = ((config['iterations'], 'iteration')

@@ -74,6 +74,17 @@ def test_train_and_resume(digits, subset, tmp_path, run_script):
     config = run_config.load(str(out / 'config.json'))
     assert config['gpus'] == 2 and config['epochs'] == 2
 
+    # The seed governs the weights, the data order, the augmentation and
+    # the mixup on every rank: a second run repeats the first.
+    again = tmp_path / 'again'
+    result = run_script(command(digits, subset, again, '--epochs', '2',
+                                '--loaderjob', '0'), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    timing = ('elapsed_time',)
+    assert [{k: v for k, v in e.items() if k not in timing}
+            for e in read_log(again)] == \
+        [{k: v for k, v in e.items() if k not in timing} for e in log]
+
     # Resume from the end of epoch 1 in a copy and train to epoch 3.
     resumed = tmp_path / 'resumed'
     shutil.copytree(str(out), str(resumed))
