@@ -54,6 +54,12 @@ def test_ranks_with_other_kfac_options_stop_at_setup_naming_them():
     assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout
 
 
+def test_chainermn_wrapper_around_kfac_is_refused_naming_the_call():
+    result = run_mpi(2, script_path('chainermn_lines.py'), timeout=120)
+    assert result.returncode == 0, describe(result)
+    assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout
+
+
 def test_exception_on_one_rank_ends_the_job():
     start = time.monotonic()
     result = run_mpi(2, script_path('raise_on_one_rank.py'), timeout=60)

@@ -49,6 +49,16 @@ def test_distributed_equals_single_process(tmp_path, inverse):
                                '{} ranks'.format(n))
 
 
+def test_chainermn_communicator_equals_single_process(tmp_path):
+    # chainerkfac.create_multi_node_optimizer(KFAC(...),
+    # chainermn.create_communicator('naive')): a ChainerMN user's line.
+    expected = single_process(tmp_path, [])
+    out = str(tmp_path / 'chainermn.npz')
+    mpi_helpers.run_mpi(2, SCRIPT, [out, '--chainermn'], timeout=180,
+                        check=True)
+    assert_same_parameters(numpy.load(out), expected, 'ChainerMN naive')
+
+
 # name: (parts, length of the split side, form, owner's part empty).
 @pytest.mark.parametrize('n, options, parts', [
     # Inverses serving 6 steps are explicit; V splits along its longer

@@ -4,6 +4,8 @@ CVPR 2019, §3.3).
 
 Nothing here imports MPI or CuPy until a communicator is created.
 """
+import chainermn
+
 from chainerkfac.distributed.assignment import assign_blocks  # NOQA
 from chainerkfac.distributed.assignment import assign_blocks_by_count  # NOQA
 from chainerkfac.distributed.assignment import Assignment  # NOQA
@@ -14,9 +16,8 @@ from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA
     install_global_except_hook)
 from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
-    create_multi_node_optimizer)
-from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
     HybridParallelStages)
+from chainerkfac.optimizers import kfac
 
 
 def create_communicator(communicator_name='naive', mpi_comm=None,
@@ -74,3 +75,49 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
     if abort_on_exception and comm.size > 1:
         install_global_except_hook()
     return comm
+
+
+def create_multi_node_optimizer(actual_optimizer, communicator,
+                                max_load_imbalance=1.1):
+    """Makes an optimizer distributed, as ChainerMN's function of that name.
+
+    For :class:`~chainerkfac.optimizers.KFAC` the optimizer itself is
+    returned, now running the hybrid-parallel stages of
+    :class:`HybridParallelStages` over ``communicator`` (with
+    ``max_load_imbalance``, see there); other optimizers are wrapped by
+    :func:`chainermn.create_multi_node_optimizer` (data-parallel gradient
+    averaging).
+
+    ``communicator`` is one of :func:`create_communicator`, or one of
+    :func:`chainermn.create_communicator`: K-FAC then runs over a K-FAC
+    communicator of the same kind on the same MPI communicator (``'naive'``
+    for ChainerMN's ``naive`` and ``flat``, ``'pure_nccl'`` for its NCCL
+    communicators).
+    """
+    if isinstance(actual_optimizer, kfac.KFAC):
+        actual_optimizer.use_stages(HybridParallelStages(
+            _kfac_communicator(communicator), max_load_imbalance))
+        return actual_optimizer
+    return chainermn.create_multi_node_optimizer(actual_optimizer,
+                                                 communicator)
+
+
+def _kfac_communicator(communicator):
+    if isinstance(communicator, KfacCommunicatorMixin):
+        return communicator
+    from chainermn.communicators import flat_communicator
+    from chainermn.communicators import mpi_communicator_base
+    from chainermn.communicators import naive_communicator
+    if not isinstance(communicator,
+                      mpi_communicator_base.MpiCommunicatorBase):
+        raise TypeError(
+            'create_multi_node_optimizer needs a communicator of '
+            'chainerkfac.create_communicator or chainermn.create_communicator,'
+            ' got {}'.format(type(communicator).__name__))
+    if isinstance(communicator, (naive_communicator.NaiveCommunicator,
+                                 flat_communicator.FlatCommunicator)):
+        return create_communicator('naive', mpi_comm=communicator.mpi_comm)
+    return create_communicator(
+        'pure_nccl', mpi_comm=communicator.mpi_comm,
+        allreduce_grad_dtype=getattr(communicator, 'allreduce_grad_dtype',
+                                     None))

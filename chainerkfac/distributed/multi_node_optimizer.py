@@ -25,7 +25,6 @@ import numbers
 
 import chainer
 import chainer.links as L
-import chainermn
 import numpy
 from chainer import backend
 
@@ -530,22 +529,3 @@ class HybridParallelStages(kfac.LocalStages):
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
         return totals
-
-
-def create_multi_node_optimizer(actual_optimizer, communicator,
-                                max_load_imbalance=1.1):
-    """Makes an optimizer distributed, as ChainerMN's function of that name.
-
-    For :class:`~chainerkfac.optimizers.KFAC` the optimizer itself is
-    returned, now running the hybrid-parallel stages of
-    :class:`HybridParallelStages` over ``communicator`` (with
-    ``max_load_imbalance``, see there); other optimizers are wrapped by
-    :func:`chainermn.create_multi_node_optimizer` (data-parallel gradient
-    averaging).
-    """
-    if isinstance(actual_optimizer, kfac.KFAC):
-        actual_optimizer.use_stages(HybridParallelStages(
-            communicator, max_load_imbalance))
-        return actual_optimizer
-    return chainermn.create_multi_node_optimizer(actual_optimizer,
-                                                 communicator)

@@ -14,6 +14,7 @@ follow plain momentum SGD.
 """
 import logging
 import numbers
+import sys
 
 import chainer
 import chainer.links as L
@@ -61,11 +62,19 @@ class LocalStages:
     MPI (paper §3.3); the optimizer's step is the same code in both cases.
     """
 
+    def __init__(self):
+        self._checked_mpi = False
+
     def setup(self, optimizer):
         """Called at the end of :meth:`KFAC.setup`."""
 
     def prepare(self, optimizer):
-        """Called at the start of every :meth:`KFAC.update`."""
+        """Called at the start of every :meth:`KFAC.update`; at the first,
+        refuses to run in one of several MPI processes (see
+        :func:`_refuse_under_mpi`)."""
+        if not self._checked_mpi:
+            self._checked_mpi = True
+            _refuse_under_mpi()
 
     def reduce(self, optimizer):
         """Gradients and statistics after backward, before the hooks.
@@ -120,6 +129,31 @@ _HYPERPARAMETER_RULES = {
     'bn_damping_multiplier': (lambda v: v > 0, 'a real number > 0'),
     'kl_clip': (lambda v: v > 0, 'a real number > 0, or None'),
 }
+
+
+def _refuse_under_mpi():
+    """Raises ``RuntimeError`` when this process is one of several MPI
+    processes (mpi4py already initialised, ``COMM_WORLD`` larger than 1).
+
+    K-FAC that was not made distributed by
+    :func:`chainerkfac.create_multi_node_optimizer` preconditions with the
+    curvature of its own process's batch. Under ChainerMN's
+    ``chainermn.create_multi_node_optimizer`` the gradients are averaged,
+    the curvature is not, and the replicas drift apart without a word.
+    """
+    mpi = sys.modules.get('mpi4py.MPI')
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    size = mpi.COMM_WORLD.Get_size()
+    if size > 1:
+        raise RuntimeError(
+            'KFAC runs in one of {} MPI processes without '
+            'chainerkfac.create_multi_node_optimizer: every process would '
+            'precondition with the curvature of its own batch and the '
+            'replicas would drift apart. Use '
+            'chainerkfac.create_multi_node_optimizer(optimizer, communicator)'
+            ' (a chainermn.create_communicator communicator works too) '
+            'instead of chainermn.create_multi_node_optimizer'.format(size))
 
 
 def _check_hyperparameters(hp, when='construction'):

@@ -27,6 +27,7 @@ import chainerkfac  # NOQA  (NumPy-2 shims before Chainer)
 import chainer
 import chainer.functions as F
 import chainer.links as L
+import chainermn
 import numpy
 
 from chainerkfac import schedules
@@ -82,6 +83,9 @@ def main():
     parser.add_argument('--device', default='@numpy',
                         help='Chainer device of the model and batches')
     parser.add_argument('--communicator', default='naive')
+    parser.add_argument('--chainermn', action='store_true',
+                        help="ChainerMN's communicator of that name, as a "
+                        'ChainerMN user creates it')
     parser.add_argument('--min-shared-dim', type=int, default=None)
     args = parser.parse_args()
     if args.min_shared_dim is not None:
@@ -100,7 +104,9 @@ def main():
         acc_iters=args.acc_iters, kl_clip=1e-4)
     rank, size = 0, 1
     if not args.single:
-        comm = chainerkfac.create_communicator(args.communicator)
+        comm = (chainermn.create_communicator(args.communicator)
+                if args.chainermn
+                else chainerkfac.create_communicator(args.communicator))
         rank, size = comm.rank, comm.size
         # Different initial weights on other ranks: setup must broadcast.
         if rank:
