@@ -51,6 +51,8 @@ def main():
     parser.add_argument('stop', type=int)
     parser.add_argument('out')
     parser.add_argument('--resume')
+    parser.add_argument('--resume-rank', type=int,
+                        help='every rank loads this rank\'s file')
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--distributed', action='store_true')
     parser.add_argument('--mlp', action='store_true')
@@ -66,7 +68,9 @@ def main():
             optimizer, comm, max_load_imbalance=1.0 if args.mlp else 1.1)
     optimizer.setup(model)
     if args.resume:
-        state = numpy.load(args.resume + suffix + '.npz')
+        load_suffix = suffix if args.resume_rank is None else \
+            '.rank{}'.format(args.resume_rank)
+        state = numpy.load(args.resume + load_suffix + '.npz')
         chainer.serializers.NpzDeserializer(state, path='model/').load(model)
         chainer.serializers.NpzDeserializer(
             state, path='optimizer/').load(optimizer)

@@ -3,8 +3,13 @@ import os
 import subprocess
 import sys
 
+import chainer
+import chainer.functions as F
+import chainer.links as L
 import numpy
 import pytest
+
+import chainerkfac
 
 from tests import mpi_helpers
 
@@ -87,3 +92,102 @@ def test_distributed_resume_with_split_blocks(tmp_path):
     for rank in range(3):
         suffix = '.rank{}.npz'.format(rank)
         assert_identical(straight + suffix, resumed + suffix)
+
+
+def test_snapshot_written_before_the_header_still_resumes(tmp_path):
+    # tests/fixtures/snapshot_before_header.npz: steps 0-4 of
+    # resume_run.py, written by the code before snapshots had a K-FAC
+    # header (commit f9eb33b).
+    fixture = os.path.join(HERE, 'fixtures', 'snapshot_before_header')
+    straight = run(tmp_path, 'straight', 0, 10, 'cholesky')
+    resumed = run(tmp_path, 'resumed', 5, 10, 'cholesky', resume=fixture)
+    assert_identical(straight + '.npz', resumed + '.npz')
+
+
+def failing_run(args, n=None):
+    """stderr of a resume_run.py run that must fail."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if n is None:
+        result = subprocess.run([sys.executable, SCRIPT] + args, env=env,
+                                capture_output=True, text=True, timeout=120)
+    else:
+        result = mpi_helpers.run_mpi(n, SCRIPT, args, timeout=120)
+    assert result.returncode != 0, result.stdout
+    return result.stderr
+
+
+def test_resume_on_another_process_count_or_file_is_refused(tmp_path):
+    half = run_distributed(tmp_path, 'half', 0, 5)
+    # One process from the -n 2 snapshot of rank 0.
+    stderr = failing_run(['5', '10', str(tmp_path / 'one'), '--resume',
+                          half + '.rank0'])
+    assert ('snapshot written by rank 0 of 2 process(es), loaded by rank 0 '
+            'of 1') in stderr, stderr
+    # Every rank loading rank 0's file.
+    stderr = failing_run(['5', '10', str(tmp_path / 'same'), '--distributed',
+                          '--resume', half, '--resume-rank', '0'], n=2)
+    assert 'loaded by rank 1 of 2' in stderr, stderr
+
+
+class MLP(chainer.Chain):
+    def __init__(self, hidden=5):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(4, hidden)
+            self.l2 = L.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def trained(optimizer, model, steps=2):
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(0)
+    for _ in range(steps):
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                         rng.randn(8, 4).astype(numpy.float32),
+                         rng.randint(0, 3, 8))
+    state = {}
+    chainer.serializers.DictionarySerializer(state).save(optimizer)
+    return state
+
+
+def load(state, optimizer):
+    chainer.serializers.NpzDeserializer(state).load(optimizer)
+
+
+def test_momentum_sgd_snapshot_starts_kfac_with_fresh_curvature():
+    numpy.random.seed(0)
+    model = MLP()
+    state = trained(chainer.optimizers.MomentumSGD(lr=0.1), model)
+    kfac = chainerkfac.optimizers.KFAC(lr=0.1)
+    kfac.setup(model)
+    load(state, kfac)
+    assert kfac.t == 2
+    for name, param in model.namedparams():
+        numpy.testing.assert_array_equal(
+            param.update_rule.state['v'], state[name[1:] + '/v'])
+    assert all(block.factor['A'] is None for block in kfac.blocks)
+    trained(kfac, model, steps=1)
+    assert all(block.ready() for block in kfac.blocks)
+
+
+def test_snapshot_with_other_layers_options_or_nonfinite_is_refused():
+    numpy.random.seed(0)
+    state = trained(chainerkfac.optimizers.KFAC(), MLP())
+
+    def loading_into(model, optimizer=None):
+        optimizer = optimizer or chainerkfac.optimizers.KFAC()
+        optimizer.setup(model)
+        load(state, optimizer)
+
+    with pytest.raises(ValueError, match="'l1: K-FAC A 5x5, G 5x5' in the "
+                       "snapshot, 'l1: K-FAC A 5x5, G 6x6' in this model"):
+        loading_into(MLP(hidden=6))
+    with pytest.raises(ValueError, match="inverse='cholesky', this run has "
+                       "'eigen'"):
+        loading_into(MLP(), chainerkfac.optimizers.KFAC(inverse='eigen'))
+    state['kfac/l2/G'] = state['kfac/l2/G'].copy()
+    state['kfac/l2/G'][0, 0] = numpy.inf
+    with pytest.raises(ValueError, match='non-finite G of K-FAC layer l2'):
+        loading_into(MLP())

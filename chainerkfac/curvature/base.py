@@ -346,9 +346,12 @@ class FisherBlock:
         if not present:
             return None
         if isinstance(serializer, serializer_module.Deserializer):
-            loaded = serializer(key, None)
+            loaded = numpy.asarray(serializer(key, None))
+            if not numpy.isfinite(loaded).all():
+                raise ValueError('snapshot holds a non-finite {} of K-FAC '
+                                 'layer {}'.format(key, self.name))
             device = backend.get_device_from_array(self.params()[0].array)
-            return device.send(numpy.asarray(loaded))
+            return device.send(loaded)
         serializer(key, value)
         return value
 

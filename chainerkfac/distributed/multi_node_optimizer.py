@@ -143,6 +143,9 @@ class HybridParallelStages(kfac.LocalStages):
         self.comm.bcast_data(optimizer.target)
         self._needs_broadcast = any(p.array is None for p in params)
 
+    def rank_and_size(self):
+        return self.comm.rank, self.comm.size
+
     def prepare(self, optimizer):
         if self._needs_broadcast:
             self._broadcast_parameters(optimizer)

@@ -93,6 +93,10 @@ class LocalStages:
         """Whether every process can take the step (``ok`` is local)."""
         return ok
 
+    def rank_and_size(self):
+        """``(rank, number of processes)`` of this process."""
+        return 0, 1
+
     def owned(self, blocks):
         """The blocks this process refreshes and preconditions."""
         return blocks
@@ -616,10 +620,85 @@ class KFAC(optimizer.GradientMethod):
     # -- state --------------------------------------------------------------
 
     def serialize(self, serializer):
-        """Saves or loads momentum, step counters and all K-FAC state."""
+        """Saves or loads momentum, step counters and all K-FAC state.
+
+        The K-FAC state starts with a header: the process's rank and the
+        number of processes, the inverse form, the BatchNorm Fisher and
+        every K-FAC layer with its factor shapes. Loading checks them
+        against this run and raises ``ValueError`` naming what differs:
+        each process keeps the curvature of the layers it owns, so a
+        snapshot resumes only on as many processes, each loading its own
+        file. Loaded factors and inverses must be finite. A snapshot
+        without K-FAC state (written by MomentumSGD) loads the momentum and
+        step count; the curvature then starts afresh.
+        """
+        state = serializer['kfac']
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        fresh = loading and not self._load_header(state)
+        if not loading:
+            for key, value in self._header().items():
+                state['header'](key, value)
         super().serialize(serializer)
+        if fresh:
+            logger.warning('the snapshot holds no K-FAC state (another '
+                           "optimizer's?): momentum and step count loaded, "
+                           'the curvature starts afresh')
+            return
         for block in self.blocks:
-            block.serialize(serializer['kfac'][block.name])
+            block.serialize(state[block.name])
+
+    def _header(self):
+        rank, size = self._stages.rank_and_size()
+        return {'rank': rank, 'world_size': size, 'inverse': self.inverse,
+                'bn_fisher': self.bn_fisher,
+                'layers': '; '.join('{}: {}'.format(b.name, b.describe())
+                                    for b in self.blocks)}
+
+    def _load_header(self, state):
+        """Checks a snapshot's header against this run; False when the
+        snapshot has no K-FAC state at all."""
+        mine = self._header()
+        try:
+            saved = {key: state['header'](key, value)
+                     for key, value in mine.items()}
+        except KeyError:
+            # No header: a snapshot written before headers existed (its
+            # blocks load as they are) or one without K-FAC state.
+            return self._has_block_state(state)
+        if (saved['world_size'], saved['rank']) != (
+                mine['world_size'], mine['rank']):
+            raise ValueError(
+                'snapshot written by rank {} of {} process(es), loaded by '
+                'rank {} of {}: each process keeps the curvature of the '
+                'layers it owns, so resume on {} process(es), each loading '
+                'its own file (.rank<R>)'.format(
+                    saved['rank'], saved['world_size'], mine['rank'],
+                    mine['world_size'], saved['world_size']))
+        for option in ('inverse', 'bn_fisher'):
+            if saved[option] != mine[option]:
+                raise ValueError(
+                    'snapshot written with KFAC {}={!r}, this run has {!r}'
+                    .format(option, saved[option], mine[option]))
+        if saved['layers'] != mine['layers']:
+            theirs = saved['layers'].split('; ')
+            ours = mine['layers'].split('; ')
+            first = next((a, b) for a, b in zip(theirs + [None] * len(ours),
+                                                ours + [None] * len(theirs))
+                         if a != b)
+            raise ValueError(
+                'snapshot and model differ in their K-FAC layers, first: '
+                '{!r} in the snapshot, {!r} in this model'.format(*first))
+        return True
+
+    def _has_block_state(self, state):
+        if not self.blocks:
+            return True
+        try:
+            state[self.blocks[0].name](self.blocks[0].factors[0] + '@present',
+                                       0)
+        except KeyError:
+            return False
+        return True
 
 
 def _option_text(value):

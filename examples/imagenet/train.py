@@ -17,7 +17,8 @@ The output folder receives ``config.json`` (the resolved configuration),
 ``log``, ``accuracy.png``, ``loss.png`` and, every epoch and on SIGTERM, one
 snapshot per process: ``snapshot_iter_<I>.rank<R>.npz``. ``--resume
 OUT/snapshot_iter_<I>`` (or any of its rank files) makes every process load
-its own file; the number of processes must not change. A snapshot holds the
+its own file; the number of processes must not change (K-FAC refuses such a
+resume, naming both counts). A snapshot holds the
 model, the optimizer (with the K-FAC state of the blocks the process owns),
 the iterator, the schedules, the logs and the running-mixup state; the random
 streams of the augmentation and of the mixup λ start afresh after a resume.
