@@ -130,10 +130,10 @@ def test_resume_on_another_process_count_or_file_is_refused(tmp_path):
 
 
 class MLP(chainer.Chain):
-    def __init__(self, hidden=5):
+    def __init__(self, hidden=5, in_size=4):
         super().__init__()
         with self.init_scope():
-            self.l1 = L.Linear(4, hidden)
+            self.l1 = L.Linear(in_size, hidden)
             self.l2 = L.Linear(hidden, 3)
 
     def forward(self, x):
@@ -191,3 +191,15 @@ def test_snapshot_with_other_layers_options_or_nonfinite_is_refused():
     state['kfac/l2/G'][0, 0] = numpy.inf
     with pytest.raises(ValueError, match='non-finite G of K-FAC layer l2'):
         loading_into(MLP())
+
+
+def test_lazily_initialised_layers_load_before_the_model():
+    # The Trainer's snapshot loads the optimizer before the model, whose
+    # lazily initialised layers have no shapes yet.
+    numpy.random.seed(0)
+    state = trained(chainerkfac.optimizers.KFAC(), MLP())
+    model = MLP(in_size=None)
+    kfac = chainerkfac.optimizers.KFAC()
+    kfac.setup(model)
+    load(state, kfac)
+    assert kfac.t == 2

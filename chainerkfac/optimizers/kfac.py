@@ -12,6 +12,7 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
 Parameters of links without a Fisher block keep their raw gradient and so
 follow plain momentum SGD.
 """
+import itertools
 import logging
 import numbers
 import sys
@@ -679,15 +680,20 @@ class KFAC(optimizer.GradientMethod):
                 raise ValueError(
                     'snapshot written with KFAC {}={!r}, this run has {!r}'
                     .format(option, saved[option], mine[option]))
-        if saved['layers'] != mine['layers']:
-            theirs = saved['layers'].split('; ')
-            ours = mine['layers'].split('; ')
-            first = next((a, b) for a, b in zip(theirs + [None] * len(ours),
-                                                ours + [None] * len(theirs))
-                         if a != b)
-            raise ValueError(
-                'snapshot and model differ in their K-FAC layers, first: '
-                '{!r} in the snapshot, {!r} in this model'.format(*first))
+        entries = saved['layers'].split('; ') if saved['layers'] else []
+        for block, entry in itertools.zip_longest(self.blocks, entries):
+            name, _, described = (entry or '').partition(': ')
+            # A lazily initialised layer has no shapes yet (the Trainer
+            # loads the optimizer before the model): its name must agree.
+            shaped = block is not None and all(
+                p.array is not None for p in block.params())
+            if block is None or name != block.name or (
+                    shaped and described != block.describe()):
+                raise ValueError(
+                    'snapshot and model differ in their K-FAC layers, '
+                    'first: {!r} in the snapshot, {!r} in this model'.format(
+                        entry, block and '{}: {}'.format(
+                            block.name, block.describe())))
         return True
 
     def _has_block_state(self, state):
