@@ -326,3 +326,46 @@ def test_refreshes_fold_into_moving_averages(decay):
     if decay == 0:
         for array, value in read:
             numpy.testing.assert_allclose(host(array), value, rtol=1e-12)
+
+
+def test_link_called_per_position_against_positions_in_one_call():
+    # The convention for a link called T times in one forward pass (shared
+    # weights, an LSTM's lateral link): each call counts as more samples,
+    # so A is the mean over the calls, 1/T of the A of the same positions
+    # in one call (n_batch_axes=2, KFC: the sum over positions); G is the
+    # mean over positions either way (docs/guide/links.md).
+    rng = numpy.random.RandomState(3)
+    n, T = 4, 3
+    with chainer.using_config('dtype', numpy.float64):
+        init = L.Linear(5, 2)
+    x, r = rng.randn(n, T, 5), rng.randn(n, T, 2)
+    factors = []
+    for per_call in (False, True):
+        link = init.copy(mode='copy')
+        opt = chainerkfac.optimizers.KFAC(lr=0.0)
+        opt.setup(place(link))
+
+        def loss(x, r):
+            if per_call:
+                y = F.stack([link(x[:, t]) for t in range(T)], axis=1)
+            else:
+                y = link(x, n_batch_axes=2)
+            return F.mean(per_sample_loss(y, r))
+        opt.update(loss, *send(x, r))
+        block, = opt.blocks
+        factors.append({f: host(block.factor[f]) for f in ('A', 'G')})
+    one_call, per_call = factors
+    # The one call against the dense per-sample factors (KFC convention).
+    link = place(init.copy(mode='copy'))
+    gy = []
+    for i in range(n):
+        y = link(link.device.send(x[i:i + 1]), n_batch_axes=2)
+        loss = F.sum(per_sample_loss(y, link.device.send(r[i:i + 1])))
+        g, = chainer.grad([loss], [y])
+        gy.append(host(g.array[0]))
+    A, G = brute_force.kronecker_factors(x, numpy.stack(gy), True)
+    numpy.testing.assert_allclose(one_call['A'], A, rtol=1e-12)
+    numpy.testing.assert_allclose(one_call['G'], G, rtol=1e-10)
+    numpy.testing.assert_allclose(per_call['A'] * T, one_call['A'],
+                                  rtol=1e-12)
+    numpy.testing.assert_allclose(per_call['G'], one_call['G'], rtol=1e-12)
