@@ -402,3 +402,34 @@ def test_failure_modes_name_tests_that_exist():
         with open(os.path.join(mpi_helpers.REPO_ROOT, path)) as f:
             assert re.search(r'^def {}\('.format(name), f.read(), re.M), \
                 (path, name)
+
+
+def test_make_targets_and_files_the_docs_name_exist():
+    # `make TARGET` and repository paths in README.md, docs/ and the
+    # examples' and benchmarks' READMEs: the target is in the Makefile,
+    # the file exists (build outputs excepted).
+    root = mpi_helpers.REPO_ROOT
+    pages = [os.path.join(root, 'README.md'),
+             os.path.join(root, 'benchmarks', 'README.md'),
+             os.path.join(root, 'examples', 'imagenet', 'README.md')]
+    for folder, _, names in os.walk(DOCS):
+        if '_build' not in folder:
+            pages += [os.path.join(folder, n) for n in names
+                      if n.endswith('.md')]
+    with open(os.path.join(root, 'Makefile')) as f:
+        targets = set(re.findall(r'^([\w-]+):', f.read(), re.M))
+    built = ('docs/_build', 'benchmarks/.venv-peer')
+    missing = []
+    for page in pages:
+        with open(page) as f:
+            text = f.read()
+        named = re.findall(r'(?:`|^)make ([a-z][\w-]*)', text, re.M)
+        missing += ['{}: make {}'.format(page, t) for t in named
+                    if t not in targets]
+        for path in re.findall(
+                r'`((?:benchmarks|docs|examples|tests|chainerkfac)/'
+                r'[\w./-]+?)(?:::\w+)?`', text):
+            if not path.startswith(built) and not os.path.exists(
+                    os.path.join(root, path)):
+                missing.append('{}: {}'.format(page, path))
+    assert not missing, missing
