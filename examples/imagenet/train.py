@@ -211,9 +211,12 @@ def extend_schedules(trainer, config):
             warmup['initial'], config['damping'], warmup['steps']))
 
 
-def extend_reports(trainer):
-    """Logs, printed table, progress bar and plots (rank 0 only)."""
-    trainer.extend(extensions.LogReport())
+def extend_reports(trainer, config):
+    """Logs, printed table, progress bar and plots (rank 0 only). A run
+    counted in iterations (a smoke run shorter than an epoch, say) logs
+    and prints every iteration."""
+    unit = 'epoch' if config['iterations'] is None else 'iteration'
+    trainer.extend(extensions.LogReport(trigger=(1, unit)))
     for key in ('lr', 'momentum', 'damping'):
         trainer.extend(extensions.observe_value(
             key, lambda t, key=key: getattr(
@@ -314,7 +317,7 @@ def main(argv=None):
             comm.rank))
     trainer.extend(snapshot, trigger=signals.snapshot_trigger((1, 'epoch')))
     if comm.rank == 0:
-        extend_reports(trainer)
+        extend_reports(trainer, config)
 
     if args.resume:
         chainer.serializers.load_npz(
@@ -324,8 +327,13 @@ def main(argv=None):
         run_config.save(config, os.path.join(args.out, 'config.json'))
 
     trainer.run()
+    if comm.rank == 0:
+        print('{} after {} iterations ({:.2f} epochs) in {:.0f} s; log in {}'
+              .format('stopped by a signal' if signals.stopped else 'done',
+                      trainer.updater.iteration, trainer.updater.epoch_detail,
+                      trainer.elapsed_time, os.path.join(args.out, 'log')))
     if signals.stopped and comm.rank == 0:
-        print('stopped by a signal; resume with --resume {}'.format(
+        print('resume with --resume {}'.format(
             os.path.join(args.out, 'snapshot_iter_{}'.format(
                 trainer.updater.iteration))))
 

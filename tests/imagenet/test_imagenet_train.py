@@ -100,6 +100,17 @@ def test_train_and_resume(digits, subset, tmp_path, run_script):
     assert (resumed / 'snapshot_iter_12.rank1.npz').exists()
 
 
+def test_run_shorter_than_an_epoch_prints_and_logs_every_iteration(
+        digits, subset, tmp_path, run_script):
+    out = tmp_path / 'smoke'
+    result = run_script(command(digits, subset, out, '--iterations', '2',
+                                '--loaderjob', '0'), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [e['iteration'] for e in read_log(out)] == [1, 2]
+    assert 'done after 2 iterations (0.50 epochs)' in result.stdout
+    assert 'log in {}'.format(out / 'log') in result.stdout
+
+
 def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
     out = tmp_path / 'run'
     first_epoch = out / 'snapshot_iter_4.rank1.npz'
