@@ -151,12 +151,11 @@ def build_datasets(args, config, comm, seed):
         random_crop=config['random_crop'], flip=config['flip'],
         erasing=None if erasing is None else schemes.RandomErasing(**erasing),
         seed=seed, **common)
-    train = chainer.datasets.TransformDataset(
-        chainer.datasets.LabeledImageDataset(train, args.root),
-        train_transform)
-    val = chainer.datasets.TransformDataset(
-        chainer.datasets.LabeledImageDataset(val, args.root),
-        schemes.ValTransform(**common))
+    train = image_list.LabeledImages(train, args.root, train_transform,
+                                     args.train_list)
+    val = image_list.LabeledImages(val, args.root,
+                                   schemes.ValTransform(**common),
+                                   args.val_list)
     return train, val, n_classes
 
 
@@ -296,8 +295,9 @@ def main(argv=None):
     if config['mixup_alpha'] is not None:
         converter = schemes.RunningMixup(config['mixup_alpha'], n_classes,
                                          seed=seed)
-    updater = training.StandardUpdater(train_iter, optimizer,
-                                       converter=converter, device=device)
+    updater = training.StandardUpdater(
+        train_iter, optimizer, converter=image_list.ReadableBatches(converter),
+        device=device)
     length = ((config['iterations'], 'iteration')
               if config['iterations'] is not None
               else (config['epochs'], 'epoch'))
@@ -309,7 +309,9 @@ def main(argv=None):
     # The distributed optimizer keeps the BatchNormalization statistics
     # averaged over the processes, so every process evaluates the same model.
     trainer.extend(chainermn.create_multi_node_evaluator(
-        extensions.Evaluator(val_iter, model, device=device), comm))
+        extensions.Evaluator(
+            val_iter, model, device=device, converter=image_list.
+            ReadableBatches(chainer.dataset.concat_examples)), comm))
     checkpoint = Checkpoint(trainer, converter)
     snapshot = extensions.snapshot(
         target=checkpoint,

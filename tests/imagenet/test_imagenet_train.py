@@ -111,6 +111,25 @@ def test_run_shorter_than_an_epoch_prints_and_logs_every_iteration(
     assert 'log in {}'.format(out / 'log') in result.stdout
 
 
+def test_corrupt_image_ends_the_job_naming_the_file(digits, subset,
+                                                    tmp_path, run_script):
+    pairs = image_list.read_list(str(subset / 'train.txt'))
+    good = digits / pairs[0][0]
+    bad = digits / 'train' / 'truncated.JPEG'
+    bad.write_bytes(good.read_bytes()[:100])
+    listed = tmp_path / 'train.txt'
+    image_list.write_list(str(listed), [('train/truncated.JPEG', 0)] + pairs)
+    for loaderjob in ('0', '2'):
+        result = run_script([
+            MPIEXEC, '-n', '2', sys.executable, TRAIN, str(listed),
+            str(subset / 'val.txt'), '--root', str(digits), '--config',
+            SMALL, '--out', str(tmp_path / loaderjob), '--epochs', '1',
+            '--loaderjob', loaderjob], timeout=60)
+        assert result.returncode != 0
+        assert 'cannot read image {} (listed in {})'.format(bad, listed) \
+            in result.stdout + result.stderr, result.stderr
+
+
 def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
     out = tmp_path / 'run'
     first_epoch = out / 'snapshot_iter_4.rank1.npz'
