@@ -713,32 +713,29 @@ def _shapes_targets(shapes):
     if sgd is None or kfac is None:
         return []
     out = []
-
-    def ratio(row, key, base):
-        if row[key] == float('inf') or base[key] == float('inf'):
-            return None
-        return row[key] / base[key]
-
+    import compare_shapes
     for name, row in sorted(rows.items()):
         if name == 'sgd':
             continue
-        e, t = ratio(row, 'epochs_to_target', sgd), ratio(
-            row, 'seconds_to_target', sgd)
+        (e, bound), (t, _) = (compare_shapes.ratio_to_sgd(row, sgd, key)
+                              for key in ('epochs_to_target',
+                                          'seconds_to_target'))
         label = 'shapes batch {}: {} epochs and seconds to SGD\'s best - ' \
             '0.5 point'.format(batch, name)
         if e is None:
             out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
                         'target missed', '**no**'])
             continue
+        bound = bound + ' ' if bound else ''
         out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
-                    '{:.2f}x, {:.2f}x'.format(e, t),
+                    '{0}{1:.2f}x, {0}{2:.2f}x'.format(bound, e, t),
                     _verdict(e <= 0.5 and t <= 0.7)])
     out.append(['shapes batch {}: best final accuracy'.format(batch),
                 '>= SGD\'s', '{:.3f} vs {:.3f}'.format(
                     kfac['final_accuracy'], sgd['final_accuracy']),
                 _verdict(kfac['final_accuracy'] >= sgd['final_accuracy'])])
     stale = rows.get('kfac_50_50')
-    if stale and kfac['epochs_to_target'] != float('inf'):
+    if stale and not (stale['bounded'] or kfac['bounded']):
         e = stale['epochs_to_target'] / kfac['epochs_to_target']
         out.append(['shapes batch {}: kfac_50_50 epochs against every '
                     'step\'s'.format(batch), '<= 1.10x',
