@@ -1,4 +1,4 @@
-"""Snapshot and stop every process at the same iteration on SIGTERM.
+"""Snapshot and stop every process at the same iteration on a signal.
 
 Batch schedulers send SIGTERM before they kill a job. Raising an exception
 from the handler would stop each process wherever it happens to be, possibly

@@ -14,7 +14,8 @@ accumulates over ``acc_iters`` micro-batches, so the global mini-batch is
 configuration's global batch.
 
 The output folder receives ``config.json`` (the resolved configuration),
-``log``, ``accuracy.png``, ``loss.png`` and, every epoch and on SIGTERM, one
+``log``, ``accuracy.png``, ``loss.png`` and, every epoch and on SIGTERM or
+SIGINT, one
 snapshot per process: ``snapshot_iter_<I>.rank<R>.npz``. ``--resume
 OUT/snapshot_iter_<I>`` (or any of its rank files) makes every process load
 its own file; the number of processes must not change (K-FAC refuses such a
@@ -27,6 +28,7 @@ import argparse
 import multiprocessing
 import os
 import re
+import signal
 import sys
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
@@ -301,7 +303,7 @@ def main(argv=None):
     length = ((config['iterations'], 'iteration')
               if config['iterations'] is not None
               else (config['epochs'], 'epoch'))
-    signals = signal_stop.SignalStop(comm)
+    signals = signal_stop.SignalStop(comm, (signal.SIGTERM, signal.SIGINT))
     trainer = training.Trainer(updater, signals.stop_trigger(length),
                                out=args.out)
 

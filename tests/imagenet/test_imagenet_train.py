@@ -130,7 +130,9 @@ def test_corrupt_image_ends_the_job_naming_the_file(digits, subset,
             in result.stdout + result.stderr, result.stderr
 
 
-def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_signal_snapshots_and_stops(digits, subset, tmp_path, script_env,
+                                    signum):
     out = tmp_path / 'run'
     first_epoch = out / 'snapshot_iter_4.rank1.npz'
     # Loader processes (forkserver) too: mpiexec signals the whole process
@@ -144,8 +146,10 @@ def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
             deadline = time.time() + 120
             while not first_epoch.exists() and time.time() < deadline:
                 time.sleep(0.2)
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
+            signalled = time.time()
             process.wait(timeout=120)
+            stopped_after = time.time() - signalled
         finally:
             if process.poll() is None:
                 process.kill()
@@ -153,6 +157,7 @@ def test_sigterm_snapshots_and_stops(digits, subset, tmp_path, script_env):
         text = output.read()
     assert process.returncode == 0, text
     assert 'stopped by a signal' in text
+    assert stopped_after < 10, (stopped_after, text)
     snapshots = [name for name in os.listdir(str(out))
                  if name.startswith('snapshot_iter_')]
     iterations = {int(name.split('.')[0].split('_')[2]) for name in snapshots}
