@@ -3,9 +3,11 @@
 ``A`` sums ``a aᵀ`` over every output position of every sample. With
 ``spatial_subsample = s > 1`` only every ``s``-th output row and column
 (about ``T / s²`` of the ``T`` positions) contribute, and ``A`` is rescaled
-to the full count (Ba et al. 2017, appendix A: the A factor of a convolution
-is estimated well from a subset of its positions); this divides the work of
-the largest statistics (im2col and ``Q Qᵀ``) by about ``s²``.
+to the full count: under KFC's spatial homogeneity (Grosse & Martens 2016
+§3) every position has the same statistics, so a subset of them estimates
+the sum. This divides the work of the largest statistics (im2col and
+``Q Qᵀ``) by about ``s²``. (Ba et al. 2017, appendix A, cheapen the same
+factor another way, from the patches averaged over positions.)
 
 A stride-1 convolution on a large input skips im2col
 (:func:`shifted_gram`):
