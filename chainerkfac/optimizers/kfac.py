@@ -254,7 +254,8 @@ class KFAC(optimizer.GradientMethod):
         spatial_subsample (int): Convolution A factors from every
             ``spatial_subsample``-th output row and column only, rescaled to
             all positions (KFC's spatial homogeneity, Grosse & Martens 2016
-            §3); 1 takes every position. 2 divides the largest statistics' work by about 4.
+            §3); 1 takes every position. 2 divides the largest statistics'
+            work by about 4.
         batch_subsample (int): Linear and Convolution2D factors from the
             first ``⌈n / batch_subsample⌉`` samples of each (local) batch
             only; 1 takes every sample. ``k`` divides the statistics' work
