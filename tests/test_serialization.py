@@ -98,10 +98,22 @@ def test_snapshot_written_before_the_header_still_resumes(tmp_path):
     # tests/fixtures/snapshot_before_header.npz: steps 0-4 of
     # resume_run.py, written by the code before snapshots had a K-FAC
     # header (commit f9eb33b).
+    # The fixture's steps ran on NumPy 2's BLAS: on another one the runs
+    # agree to round-off, not bit for bit (a resume that lost state would
+    # differ in the first digits).
     fixture = os.path.join(HERE, 'fixtures', 'snapshot_before_header')
-    straight = run(tmp_path, 'straight', 0, 10, 'cholesky')
-    resumed = run(tmp_path, 'resumed', 5, 10, 'cholesky', resume=fixture)
-    assert_identical(straight + '.npz', resumed + '.npz')
+    straight = numpy.load(run(tmp_path, 'straight', 0, 10, 'cholesky')
+                          + '.npz')
+    resumed = numpy.load(run(tmp_path, 'resumed', 5, 10, 'cholesky',
+                             resume=fixture) + '.npz')
+    assert set(straight.files) == set(resumed.files)
+    for key in straight.files:
+        if straight[key].dtype.kind in 'US':  # the K-FAC header's text
+            assert resumed[key] == straight[key], key
+            continue
+        numpy.testing.assert_allclose(
+            resumed[key], straight[key], rtol=1e-4,
+            atol=1e-4 * numpy.abs(straight[key]).max(), err_msg=key)
 
 
 def failing_run(args, n=None):
