@@ -9,23 +9,12 @@ checked against one process in tests/test_multi_node_optimizer.py.)
 """
 import chainerkfac  # NOQA: the NumPy-2 shims come before Chainer
 
-import chainer
 import chainer.functions as F
-import chainer.links as L
 import chainermn
 import numpy
 
-
-class MLP(chainer.Chain):
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(3, 4)
-            self.l2 = L.Linear(4, 2)
-
-    def forward(self, x):
-        return self.l2(F.tanh(self.l1(x)))
+from tests import rank_checks
+from tests.rank_checks import MLP
 
 
 def expect_refusal(communicator):
@@ -36,20 +25,14 @@ def expect_refusal(communicator):
     x = numpy.arange(12, dtype=numpy.float32).reshape(4, 3)
     t = numpy.array([0, 1, 0, 1], dtype=numpy.int32)
 
-    def lossfun(x, t):
-        return F.softmax_cross_entropy(model(x), t)
+    def two_updates():  # ChainerMN's first update only broadcasts
+        for _ in range(2):
+            optimizer.update(
+                lambda x, t: F.softmax_cross_entropy(model(x), t), x, t)
 
-    try:
-        for _ in range(2):  # ChainerMN's first update only broadcasts
-            optimizer.update(lossfun, x, t)
-    except RuntimeError as e:
-        message = str(e)
-    else:
-        raise AssertionError('rank {}: no error'.format(communicator.rank))
-    for fragment in ('one of 2 MPI processes',
-                     'chainerkfac.create_multi_node_optimizer'):
-        assert fragment in message, (fragment, message)
-    print('rank {}: {}'.format(communicator.rank, message), flush=True)
+    rank_checks.expect_error(
+        communicator, RuntimeError, two_updates, 'one of 2 MPI processes',
+        'chainerkfac.create_multi_node_optimizer')
 
 
 expect_refusal(chainermn.create_communicator('naive'))

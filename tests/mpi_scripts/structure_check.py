@@ -6,34 +6,16 @@ every rank, naming the parameter and the ranks. Prints "rank R: ok".
 """
 import chainerkfac  # NOQA: the NumPy-2 shims come before Chainer
 
-import chainer
-import chainer.links as L
-
 from chainerkfac.distributed import check_same_structure
 from chainerkfac.distributed import create_communicator
-
-
-class MLP(chainer.Chain):
-
-    def __init__(self, n_in=3, n_hidden=4, extra=False):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(n_in, n_hidden)
-            self.l2 = L.Linear(n_hidden, 2)
-            if extra:
-                self.l3 = L.Linear(2, 2)
+from tests import rank_checks
+from tests.rank_checks import MLP
 
 
 def expect_mismatch(comm, link, *fragments):
-    try:
-        check_same_structure(comm, link)
-    except ValueError as e:
-        message = str(e)
-    else:
-        raise AssertionError('rank {}: no error'.format(comm.rank))
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
-    print('rank {}: {}'.format(comm.rank, message), flush=True)
+    rank_checks.expect_error(
+        comm, ValueError, lambda: check_same_structure(comm, link),
+        *fragments)
 
 
 comm = create_communicator('naive')
