@@ -341,8 +341,17 @@ class FisherBlock:
                   + list(self.inverse_state.values()))
         return sum(a.nbytes for a in arrays if a is not None)
 
+    def in_snapshot(self, deserializer):
+        """Whether ``deserializer`` (this block's part of a snapshot) holds
+        the block's state at all."""
+        try:
+            deserializer(_present_key(self.factors[0]), 0)
+        except KeyError:
+            return False
+        return True
+
     def _serialize_array(self, serializer, key, value):
-        present = int(serializer(key + '@present', int(value is not None)))
+        present = int(serializer(_present_key(key), int(value is not None)))
         if not present:
             return None
         if isinstance(serializer, serializer_module.Deserializer):
@@ -378,3 +387,8 @@ class FisherBlock:
     def inverse_keys(self):
         """Names of the arrays :meth:`compute_inverse` returns."""
         raise NotImplementedError
+
+
+def _present_key(key):
+    """The entry that says whether array ``key`` of a block is stored."""
+    return key + '@present'

@@ -10,10 +10,10 @@ item that differs and which ranks hold which version of it.
 import zlib
 
 
-def check_same(comm, items, what):
+def check_same(comm, items, subject, what):
     """Raises ``ValueError`` on every rank unless all ranks pass the same
-    ``items``, a list of ``(name, description)`` pairs; ``what`` names
-    the kind of item in the message ("parameter", "option")."""
+    ``items``, a list of ``(name, description)`` pairs; the message says
+    ``SUBJECT differs between ranks, first at WHAT 'NAME'``."""
     if comm.size == 1:
         return
     everyone = comm.mpi_comm.allgather(list(items))
@@ -21,7 +21,7 @@ def check_same(comm, items, what):
         return
     per_rank = [dict(theirs) for theirs in everyone]
     order = [name for theirs in everyone for name, _ in theirs]
-    for name in sorted(set(order), key=order.index):
+    for name in dict.fromkeys(order):
         versions = {}
         for rank, described in enumerate(per_rank):
             versions.setdefault(described.get(name, 'missing'),
@@ -29,8 +29,7 @@ def check_same(comm, items, what):
         if len(versions) > 1:
             raise ValueError(
                 '{} differs between ranks, first at {} {!r}: {}'.format(
-                    'the model' if what == 'parameter' else 'KFAC', what,
-                    name, '; '.join(
+                    subject, what, name, '; '.join(
                         '{} on rank{} {}'.format(
                             version, 's' if len(ranks) > 1 else '',
                             ', '.join(map(str, ranks)))
@@ -48,7 +47,7 @@ def check_same_structure(comm, link):
     in name order."""
     check_same(comm, [(name, _describe(param))
                       for name, param in sorted(link.namedparams())],
-               'parameter')
+               'the model', 'parameter')
 
 
 def check_same_options(comm, optimizer, extra=()):
@@ -59,7 +58,7 @@ def check_same_options(comm, optimizer, extra=()):
     options of the caller."""
     items = list(optimizer.option_values().items()) + list(extra)
     items.append(('K-FAC links', ', '.join(b.name for b in optimizer.blocks)))
-    check_same(comm, items, 'option')
+    check_same(comm, items, 'KFAC', 'option')
 
 
 def options_digest(optimizer):

@@ -468,6 +468,7 @@ class KFAC(optimizer.GradientMethod):
             raise
         if taken:
             self._skipped_in_a_row = 0
+            self._last_nonfinite = None
             self._monitor.observe(self.t, mean_loss, scale)
         else:
             _restore(running)
@@ -666,7 +667,8 @@ class KFAC(optimizer.GradientMethod):
         except KeyError:
             # No header: a snapshot written before headers existed (its
             # blocks load as they are) or one without K-FAC state.
-            return self._has_block_state(state)
+            return not self.blocks or self.blocks[0].in_snapshot(
+                state[self.blocks[0].name])
         if (saved['world_size'], saved['rank']) != (
                 mine['world_size'], mine['rank']):
             raise ValueError(
@@ -695,16 +697,6 @@ class KFAC(optimizer.GradientMethod):
                     'first: {!r} in the snapshot, {!r} in this model'.format(
                         entry, block and '{}: {}'.format(
                             block.name, block.describe())))
-        return True
-
-    def _has_block_state(self, state):
-        if not self.blocks:
-            return True
-        try:
-            state[self.blocks[0].name](self.blocks[0].factors[0] + '@present',
-                                       0)
-        except KeyError:
-            return False
         return True
 
 

@@ -310,10 +310,10 @@ def main(argv=None):
     extend_schedules(trainer, config)
     # The distributed optimizer keeps the BatchNormalization statistics
     # averaged over the processes, so every process evaluates the same model.
+    readable = image_list.ReadableBatches(chainer.dataset.concat_examples)
     trainer.extend(chainermn.create_multi_node_evaluator(
-        extensions.Evaluator(
-            val_iter, model, device=device, converter=image_list.
-            ReadableBatches(chainer.dataset.concat_examples)), comm))
+        extensions.Evaluator(val_iter, model, device=device,
+                             converter=readable), comm))
     checkpoint = Checkpoint(trainer, converter)
     snapshot = extensions.snapshot(
         target=checkpoint,
