@@ -661,6 +661,7 @@ def write_doc(full):
                 lines += ['#### `{}`: {}'.format(name, task), '']
                 lines += _tta_task(task, entry)
     lines += _shapes_section(shapes)
+    lines += _float16_section(load('float16'))
     if dist:
         lines += ['## Distributed', '',
                   'Command: `{}`'.format(command_of('distributed', dist)), '',
@@ -775,6 +776,27 @@ def _shapes_section(shapes):
             recipe['warmup_epochs']),
         '', _env_line(shapes), '', shapes['table'], '',
         '![shapes](benchmarks_figures/{})'.format(png), '']
+
+
+def _float16_section(f16):
+    """K-FAC on half-precision models (``float16.py``)."""
+    if not f16:
+        return []
+    rows = ['| precision | validation accuracy | points from float32 | '
+            'validation loss | skipped steps | final loss scale |',
+            '|---|---|---|---|---|---|']
+    for name, run in f16['runs'].items():
+        rows.append('| {} | {:.3f} | {:+.1f} | {:.3f} | {} | {:g} |'.format(
+            name, run['val_accuracy'], run['points_from_float32'],
+            run['val_loss'], run['skipped'], run['final_loss_scale'] or 1))
+    return [
+        '## Half precision', '',
+        'Command: `{}float16.py`. The digits CNN with BatchNorm, batch {}, '
+        '`KFAC(lr={}, momentum=0.9)` with its defaults, {} steps, the same '
+        'weights and batches at each precision. Goal: {}: {}.'.format(
+            PREFIX, f16['batch'], f16['lr'], f16['iterations'], f16['goal'],
+            'met' if f16['met'] else 'not met'),
+        '', _env_line(f16), ''] + rows + ['']
 
 
 def payload_error(payload):

@@ -6,12 +6,16 @@ returns at once: stale steps do no curvature work. Otherwise the block takes
 its forward statistics from the input, and a :class:`OutputGradientHook` is
 attached to the output's creator node to catch ``∂L/∂y`` during backward.
 
-Evaluation passes (``chainer.config.train`` false) and passes without
-backprop never touch the statistics. Every training pass, stale ones
+Blocks get the arrays in float32 where the model computes in float16
+(:func:`chainerkfac.linalg.widened`). Evaluation passes
+(``chainer.config.train`` false) and passes without backprop never touch
+the statistics. Every training pass, stale ones
 included, counts its samples, whose total since the last step the
 update-norm guard's bound follows.
 """
 import chainer
+
+from chainerkfac import linalg
 
 
 class OutputGradientHook(chainer.FunctionHook):
@@ -27,7 +31,8 @@ class OutputGradientHook(chainer.FunctionHook):
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
         if gy is not None:
-            self.block.backward_statistics(self.context, gy, function)
+            self.block.backward_statistics(self.context, linalg.widened(gy),
+                                           function)
 
 
 class StatisticsHook(chainer.LinkHook):
@@ -63,8 +68,8 @@ class StatisticsHook(chainer.LinkHook):
         wanted = block.wanted(self.next_step())
         if not wanted:
             return
-        context = block.forward_statistics(
-            x.array if isinstance(x, chainer.Variable) else x, wanted)
+        context = block.forward_statistics(linalg.widened(
+            x.array if isinstance(x, chainer.Variable) else x), wanted)
         if context is None:
             return
         out = args.out

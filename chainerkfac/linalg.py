@@ -37,6 +37,25 @@ _JITTER_START = 1e-7
 _JITTER_TRIES = 6
 
 
+def widened(array):
+    """``array`` in the precision K-FAC computes in: float16 becomes
+    float32, any other dtype stays. Statistics, factors, inverses and the
+    preconditioned gradient of a float16 (or mixed16) model are float32:
+    a convolution's bias entry of ``A`` sums ``n T`` ones (over 65,504,
+    float16's largest value, at batch 64 on 32x32 positions), and the
+    squares of loss-scaled output gradients overflow float16 from a loss
+    scale of about 256. In float32 neither comes near the range, so the
+    loss scale ``s`` can be divided out of the summed squares (by ``s²``,
+    exact for a power of two) rather than out of every gradient."""
+    dtype = working_dtype(array.dtype)
+    return array if array.dtype == dtype else array.astype(dtype)
+
+
+def working_dtype(dtype):
+    """The dtype :func:`widened` gives arrays of ``dtype``."""
+    return numpy.dtype(numpy.float32 if dtype == numpy.float16 else dtype)
+
+
 def factored_damping(A, G, damping):
     """Returns ``(π √ε, √ε / π)``, the damping added to ``A`` and ``G``.
 

@@ -156,6 +156,15 @@ class RefreshSchedule:
         if isinstance(self.policy, Adaptive):
             self.interval = self.policy.adapt(self.interval, change_rate)
 
+    def follow(self, step, interval):
+        """Records a refresh another process made at ``step``, after which
+        its schedule adapted to ``interval`` (ignored unless
+        :class:`Adaptive`): every process then agrees on the next due step,
+        however precisely the change rate would have travelled."""
+        self.last = step
+        if isinstance(self.policy, Adaptive):
+            self.interval = int(interval)
+
     def serialize(self, serializer):
         """Saves or loads the last refresh and the adaptive interval."""
         last = serializer('last', -1 if self.last is None else self.last)

@@ -59,6 +59,29 @@ def test_chainermn_communicator_equals_single_process(tmp_path):
     assert_same_parameters(numpy.load(out), expected, 'ChainerMN naive')
 
 
+@pytest.mark.parametrize('options', [
+    ['--float16'], ['--float16', '--transport-dtype', 'float16'],
+    ['--transport-dtype', 'float16']])
+def test_half_precision_follows_single_process(tmp_path, options):
+    # A float16 model (static loss scale 1024), float16 transport of the
+    # factors and gradients, or both: the replicas stay identical (checked
+    # in the script: every rank takes what it sent back from the
+    # all-gather, and the owners' adapted intervals, not their change
+    # rates) and within float16's rounding of one process on the same
+    # global batch (measured: 1.1e-2, 1.3e-2 and 6.6e-3 of the largest
+    # value after 7 steps).
+    expected = single_process(tmp_path, [o for o in options
+                                         if o == '--float16'])
+    out = str(tmp_path / 'half.npz')
+    mpi_helpers.run_mpi(2, SCRIPT, [out] + options, timeout=180, check=True)
+    got = numpy.load(out)
+    for name in expected.files:
+        scale = numpy.abs(expected[name].astype(numpy.float64)).max()
+        numpy.testing.assert_allclose(
+            got[name].astype(numpy.float64), expected[name], rtol=0,
+            atol=3e-2 * scale, err_msg=name)
+
+
 # name: (parts, length of the split side, form, owner's part empty).
 @pytest.mark.parametrize('n, options, parts', [
     # Inverses serving 6 steps are explicit; V splits along its longer

@@ -104,7 +104,8 @@ class BatchNormalizationBlock(base.FisherBlock):
     def gradient(self, weight_decay=0.0):
         # γ and β are not decayed: their natural value is not zero.
         xp = backend.get_array_module(self.params()[0].grad)
-        return xp.concatenate([p.grad.ravel() for p in self.params()])
+        return xp.concatenate([linalg.widened(p.grad.ravel())
+                               for p in self.params()])
 
     def preconditioned(self, grad):
         s = self.inverse_state

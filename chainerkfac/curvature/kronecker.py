@@ -221,13 +221,14 @@ class KroneckerBlock(base.FisherBlock):
 
     def gradient(self, weight_decay=0.0):
         W = self.link.W
-        grad = W.grad.reshape(W.shape[0], -1)
+        grad = linalg.widened(W.grad.reshape(W.shape[0], -1))
         if weight_decay:
             grad = grad + weight_decay * W.array.reshape(grad.shape)
         if not self.has_bias:
             return grad
         xp = backend.get_array_module(grad)
-        return xp.concatenate([grad, self.link.b.grad[:, None]], axis=1)
+        bias = linalg.widened(self.link.b.grad[:, None])
+        return xp.concatenate([grad, bias], axis=1)
 
     def preconditioned(self, grad):
         s = self.inverse_state

@@ -36,8 +36,8 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
         transport_dtype: ``None`` sends arrays in their own dtype. A
             narrower float dtype (``numpy.float16``) halves the traffic of
             :meth:`~KfacCommunicatorMixin.reduce_scatter_v` and
-            :meth:`~KfacCommunicatorMixin.all_gather_v` (paper §3.4); the
-            arrays are scaled by a power of two so that the largest value,
+            :meth:`~KfacCommunicatorMixin.all_gather_v` (paper §3.4); each
+            tensor is scaled by a power of two so that its largest value,
             times the number of summands, stays within the dtype's range.
             Off by default: float16 keeps about 3 significant digits.
         allreduce_grad_dtype: ``'pure_nccl'`` only, as in ChainerMN: the

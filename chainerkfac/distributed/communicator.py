@@ -34,7 +34,6 @@ package's ``__init__``, as ChainerMN keeps its factory) imports the
 implementation it is asked for, so ``import chainerkfac.distributed`` works
 on a machine with neither.
 """
-import math
 
 import numpy
 
@@ -47,8 +46,50 @@ import chainer
 COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
                'bcast')
 
-# What the max-abs exchange of a scaled half-precision transfer costs.
-_SCALE_EXCHANGE_BYTES = numpy.dtype(numpy.float64).itemsize
+#: Elements that share one power-of-two scale in a narrowed transfer
+#: (``transport_dtype``) when the caller names no groups. One buffer holds
+#: gradients (times the loss scale), Kronecker factors and the guard's
+#: sums, whose magnitudes differ by more than float16's range: one scale
+#: per buffer would flush the small ones to zero. The largest magnitude of
+#: each group is exchanged as a float64.
+SCALE_BLOCK = 1024
+
+
+def _overlap(starts, total, offset, size):
+    """``(first, lengths)``: the groups that begin at ``starts`` (sorted,
+    the last ending at ``total``) and overlap elements ``offset`` to
+    ``offset + size``, the first's index and how many of those elements
+    each holds."""
+    ends = numpy.append(starts[1:], total)
+    lengths = (numpy.minimum(ends, offset + size)
+               - numpy.maximum(starts, offset))
+    held = numpy.flatnonzero(lengths > 0)
+    if not len(held):
+        return 0, lengths[:0]
+    return int(held[0]), lengths[held[0]:held[-1] + 1]
+
+
+def _group_max(values, lengths):
+    """The largest of each run of ``lengths`` consecutive ``values``, as
+    a NumPy array."""
+    xp = chainer.backend.get_array_module(values)
+    if xp is numpy:
+        starts = numpy.concatenate([[0], numpy.cumsum(lengths)[:-1]])
+        return numpy.maximum.reduceat(values, starts)
+    import cupyx
+    out = xp.zeros(len(lengths), dtype=values.dtype)
+    index = xp.repeat(xp.arange(len(lengths)), lengths.tolist())
+    cupyx.scatter_max(out, index, values)
+    return out.get()
+
+
+def _per_element(like, scales, starts, total, offset, size):
+    """The group scales of elements ``offset`` to ``offset + size``, an
+    array of ``like``'s module and dtype."""
+    xp = chainer.backend.get_array_module(like)
+    first, lengths = _overlap(starts, total, offset, size)
+    chosen = xp.asarray(scales[first:first + len(lengths)], dtype=like.dtype)
+    return xp.repeat(chosen, lengths.tolist())
 
 
 class KfacCommunicatorMixin:
@@ -60,8 +101,9 @@ class KfacCommunicatorMixin:
     counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
     ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
     (in place), ``_group_bcast(array, root, others)`` (in place, point to
-    point; returns a function that waits for it), ``_allreduce_max(value)``
-    (a Python float) and the wire item sizes of ``multi_node_mean_grad``
+    point; returns a function that waits for it), ``_allreduce_max(values)``
+    (element-wise over ranks, a float64 NumPy array in and out) and the
+    wire item sizes of ``multi_node_mean_grad``
     and ``bcast_data``.
 
     Arrays are flat and of any array module (``chainer.backend
@@ -122,7 +164,7 @@ class KfacCommunicatorMixin:
 
     # The K-FAC collectives.
 
-    def reduce_scatter_v(self, sendbuf, counts):
+    def reduce_scatter_v(self, sendbuf, counts, groups=None):
         """Sums over ranks and scatters uneven segments (paper §3.3, stage 3).
 
         ``sendbuf`` is the concatenation, in rank order, of the segments
@@ -138,6 +180,11 @@ class KfacCommunicatorMixin:
                 ``counts`` and dtype on every rank.
             counts (sequence of int): Segment sizes, one per rank; zeros
                 are allowed (a rank that owns nothing).
+            groups: Where a ``transport_dtype`` narrows the transfer:
+                the start offsets, in the whole transfer and the same on
+                every rank, of the runs of elements that share one
+                power-of-two scale (one per tensor, say); ``None``: every
+                :data:`SCALE_BLOCK` elements.
 
         Returns:
             A new 1-D array of ``counts[rank]`` elements.
@@ -145,12 +192,14 @@ class KfacCommunicatorMixin:
         counts, sendbuf = self._check_segments(counts, sendbuf)
         if self.size == 1:
             return sendbuf.copy()
-        wire, scale = self._encode(sendbuf, self.size, 'reduce_scatter_v')
+        wire, scales = self._encode(sendbuf, 0, sendbuf.size, groups,
+                                    self.size, 'reduce_scatter_v')
         recvbuf = self._reduce_scatter_v(wire, counts)
         self._count('reduce_scatter_v', wire.nbytes)
-        return self._decode(recvbuf, sendbuf.dtype, scale)
+        return self._decode(recvbuf, sendbuf.dtype, scales,
+                            sum(counts[:self.rank]))
 
-    def all_gather_v(self, sendbuf, counts):
+    def all_gather_v(self, sendbuf, counts, groups=None):
         """Gathers uneven segments onto every rank (paper §3.3, stage 6).
 
         Rank ``r`` contributes its ``counts[r]`` elements (the gradients it
@@ -162,6 +211,11 @@ class KfacCommunicatorMixin:
                 on every rank.
             counts (sequence of int): Segment sizes, one per rank, the same
                 on every rank.
+            groups: Where a ``transport_dtype`` narrows the transfer:
+                the start offsets, in the whole transfer and the same on
+                every rank, of the runs of elements that share one
+                power-of-two scale (one per tensor, say); ``None``: every
+                :data:`SCALE_BLOCK` elements.
 
         Returns:
             A new 1-D array of ``sum(counts)`` elements.
@@ -174,10 +228,11 @@ class KfacCommunicatorMixin:
                                          counts[self.rank]))
         if self.size == 1:
             return sendbuf.copy()
-        wire, scale = self._encode(sendbuf, 1, 'all_gather_v')
+        wire, scales = self._encode(sendbuf, sum(counts[:self.rank]),
+                                    sum(counts), groups, 1, 'all_gather_v')
         recvbuf = self._all_gather_v(wire, counts)
         self._count('all_gather_v', recvbuf.nbytes)
-        return self._decode(recvbuf, sendbuf.dtype, scale)
+        return self._decode(recvbuf, sendbuf.dtype, scales, 0)
 
     def alltoall_v(self, sendbuf, counts):
         """Sends every rank its own uneven segment; receives one from each.
@@ -323,35 +378,52 @@ class KfacCommunicatorMixin:
                              '{} with strides {}'.format(array.dtype,
                                                          array.strides))
 
-    def _encode(self, array, n_summands, collective):
+    def _encode(self, array, offset, total, groups, n_summands,
+                collective):
         """Converts ``array`` to the transport dtype; returns it and the
-        power-of-two scale applied (``None`` when there is none)."""
+        scale of each group (``None`` when nothing is scaled).
+
+        ``array`` holds elements ``offset`` to ``offset + array.size`` of
+        a transfer of ``total`` elements; ``groups`` as in
+        :meth:`reduce_scatter_v`. Every rank applies the same scale to a
+        group: the ranks agree on each group's largest magnitude, which,
+        times ``n_summands``, must stay within half the dtype's range (room
+        for rounding in partial sums). A power of two keeps the scaling
+        exact both ways."""
         wire_dtype = self.transport_dtype
         if wire_dtype is None or wire_dtype == array.dtype:
             return array, None
         if wire_dtype.itemsize > array.dtype.itemsize:
             return array.astype(wire_dtype), None
-        # Every rank must use the same scale: agree on the largest value.
-        xp = chainer.backend.get_array_module(array)
-        local = float(xp.abs(array).max()) if array.size else 0.0
-        if not math.isfinite(local):
-            local = math.inf  # NaN would compare inconsistently in the max
-        bound = self._allreduce_max(local) * n_summands
-        self._count(collective, _SCALE_EXCHANGE_BYTES)
-        if bound == 0 or not math.isfinite(bound):
-            return array.astype(wire_dtype), None
-        # Half the range leaves room for rounding in the partial sums; a
-        # power of two keeps the scaling exact in both directions.
-        exponent = math.floor(
-            math.log2(float(numpy.finfo(wire_dtype).max) / 2 / bound))
+        starts = (numpy.arange(0, total, SCALE_BLOCK) if groups is None
+                  else numpy.unique(numpy.asarray(groups, dtype=numpy.int64)))
+        first, lengths = _overlap(starts, total, offset, array.size)
+        local = numpy.zeros(len(starts))
+        if array.size:
+            magnitude = abs(array)
+            # NaN compares as Inf everywhere: the group goes unscaled.
+            magnitude[magnitude != magnitude] = numpy.inf
+            local[first:first + len(lengths)] = _group_max(magnitude,
+                                                           lengths)
+        bounds = self._allreduce_max(local) * n_summands
+        self._count(collective, local.nbytes)
         info = numpy.finfo(array.dtype)
-        exponent = min(max(exponent, int(info.minexp)), int(info.maxexp) - 1)
-        scale = array.dtype.type(math.ldexp(1.0, exponent))
-        return (array * scale).astype(wire_dtype), scale
+        with numpy.errstate(divide='ignore', invalid='ignore'):
+            exponents = numpy.floor(numpy.log2(
+                float(numpy.finfo(wire_dtype).max) / 2 / bounds))
+        # A group of zeros, or with an Inf or NaN, is sent as it is.
+        exponents[~numpy.isfinite(exponents)] = 0
+        exponents = numpy.clip(exponents, info.minexp, info.maxexp - 1)
+        scales = numpy.ldexp(1.0, exponents.astype(numpy.int32))
+        return (array * _per_element(array, scales, starts, total, offset,
+                                     array.size)).astype(wire_dtype), \
+            (scales, starts, total)
 
     @staticmethod
-    def _decode(recvbuf, dtype, scale):
+    def _decode(recvbuf, dtype, scales, offset):
+        """``recvbuf`` (elements ``offset`` on of the transfer) back in
+        ``dtype``, the group scales of :meth:`_encode` divided out."""
         out = recvbuf.astype(dtype, copy=False)
-        if scale is not None:
-            out /= scale
+        if scales is not None:
+            out /= _per_element(out, *scales, offset, out.size)
         return out

@@ -233,7 +233,10 @@ class HybridParallelStages(kfac.LocalStages):
                  for item, entries in layout.items()}
         xp = backend.get_array_module(grads[0])
         counts = self.assignment.segment_counts(sizes)
-        mine = self.comm.reduce_scatter_v(xp.concatenate(parts), counts)
+        # One transport scale per gradient and per factor.
+        groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
+        mine = self.comm.reduce_scatter_v(xp.concatenate(parts), counts,
+                                          groups)
         mine /= self.comm.size
         self._layout = layout
         self._allreduce_replicated_state()
@@ -453,27 +456,26 @@ class HybridParallelStages(kfac.LocalStages):
                               if part is not None}
         return sum(inner for _, inner in results)
 
-    def gather(self, optimizer, rates, terms):
-        """All-gathers the preconditioned gradients, with the change rates
-        of refreshed factors and each rank's terms of the update-norm guard
-        (its part of ``Σ_b ⟨V_b, ∇_b⟩`` and its batch size), which every
-        rank adds up in rank order, and a digest of its options
+    def gather(self, optimizer, terms):
+        """All-gathers the preconditioned gradients, with the intervals
+        the owners' schedules adapted to after refreshing factors, each
+        rank's terms of the update-norm guard (its part of
+        ``Σ_b ⟨V_b, ∇_b⟩`` and its batch size), which every rank adds up in
+        rank order, and a digest of its options
         (:func:`~chainerkfac.distributed.consistency.options_digest`): an
         option changed on some ranks only after setup stops every rank
-        here, naming it."""
+        here, naming it.
+
+        Every rank, the owner too, takes the gradients as received, and the
+        other ranks take the owner's intervals (small integers, exact in
+        any float), not its change rates: with a ``transport_dtype`` that
+        rounds, the replicas and their refresh schedules still agree."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
-        # Per part: its piece of the preconditioned gradient, then the
-        # owner's one change rate per refreshed factor; after a rank's
-        # parts, its terms of the guard's sums.
-        items = self.assignment.buffer_order()
-        sizes = {(i, s): self._part_size(i, s)
-                 + (len(refreshed[i]) if s == 0 else 0) for i, s in items}
         terms = tuple(terms) + (consistency.options_digest(optimizer),)
         n_terms = len(terms)
-        counts = [count + n_terms for count in
-                  self.assignment.segment_counts(sizes)]
+        places, groups, slots = self._gather_layout(refreshed, n_terms)
         parts = []
         for i, s in sorted(self._parts.items()):
             block = blocks[i]
@@ -484,51 +486,71 @@ class HybridParallelStages(kfac.LocalStages):
             if piece is not None:
                 parts.append(piece.ravel())
             if s == 0:
-                block_rates = rates.get(block, {})
-                measured = [block_rates.get(f) for f in refreshed[i]]
                 parts.append(numpy.asarray(
-                    [numpy.nan if r is None else r for r in measured]))
+                    [block.schedules[f].interval or 0 for f in refreshed[i]]))
         grad0 = blocks[0].params()[0].grad
         xp = backend.get_array_module(grad0)
-        parts.append(xp.stack([xp.asarray(t, dtype=grad0.dtype)
-                               for t in terms]))
-        parts = [xp.asarray(p, dtype=grad0.dtype) for p in parts]
-        everything = self.comm.all_gather_v(xp.concatenate(parts), counts)
+        # The preconditioned gradients and the guard's terms of a float16
+        # model are float32, as computed (a transport_dtype narrows them).
+        dtype = linalg.working_dtype(grad0.dtype)
+        parts.append(xp.stack([xp.asarray(t, dtype=dtype) for t in terms]))
+        parts = [xp.asarray(p, dtype=dtype) for p in parts]
+        counts = numpy.diff(numpy.append(
+            [0], slots.reshape(-1, n_terms)[:, -1] + 1)).tolist()
+        everything = self.comm.all_gather_v(xp.concatenate(parts), counts,
+                                            groups)
         chainer.report({'kfac/bytes/' + name: value for name, value
                         in self.comm.reset_bytes_moved().items()})
-        step = optimizer.t
-        assembled = {i: xp.empty(self._shapes[i], dtype=grad0.dtype)
-                     for i in self._bounds}
-        # The guard's terms end each rank's segment.
-        ends = numpy.cumsum(counts)
-        slots = numpy.concatenate([numpy.arange(end - n_terms, end)
-                                   for end in ends])
         rows = backend.CpuDevice().send(
             everything[slots]).reshape(-1, n_terms)
         if (rows[:, -1] != rows[0, -1]).any():
             self._check_options(optimizer)
         totals = tuple(float(v) for v in rows[:, :-1].sum(axis=0))
-        guard_slots = set(slots.tolist())
-        offset = 0
-        for i, s in items:
-            while offset in guard_slots:
-                offset += 1
+        step = optimizer.t
+        assembled = {i: xp.empty(self._shapes[i], dtype=dtype)
+                     for i in self._bounds}
+        for (i, s), offset in places.items():
             n_grad = self._part_size(i, s)
             piece = everything[offset:offset + n_grad]
-            offset += n_grad
             if i in assembled:
                 target = blocks[i].part_of(assembled[i], *self._bounds[i][s])
                 target[...] = piece.reshape(target.shape)
-            elif self.assignment.owners[i] != self.comm.rank:
+            else:
                 blocks[i].set_gradient(piece.reshape(self._shapes[i]))
-            if s > 0:
-                continue
-            measured = everything[offset:offset + len(refreshed[i])]
-            offset += len(refreshed[i])
-            if self.assignment.owners[i] != self.comm.rank:
-                for f, r in zip(refreshed[i], measured.tolist()):
-                    blocks[i].schedules[f].mark(
-                        step, None if numpy.isnan(r) else r)
+            if s == 0 and self.assignment.owners[i] != self.comm.rank:
+                intervals = everything[offset + n_grad:offset + n_grad
+                                       + len(refreshed[i])]
+                for f, interval in zip(refreshed[i], intervals.tolist()):
+                    blocks[i].schedules[f].follow(step, interval)
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
         return totals
+
+    def _gather_layout(self, refreshed, n_terms):
+        """Where the all-gather puts what: ``(places, groups, slots)``.
+
+        Each rank's segment holds its parts in :meth:`buffer_order
+        <chainerkfac.distributed.Assignment.buffer_order>`, each part its
+        piece of the preconditioned gradient, the owner's part then one
+        interval per factor in ``refreshed[block]``; after the parts, the
+        rank's ``n_terms`` terms. ``places[part]`` is the offset of a
+        part's piece, ``groups`` the starts of the runs that share a
+        transport scale (each piece, each part's intervals, each term) and
+        ``slots`` the offsets of the terms, rank by rank."""
+        by_rank = [[] for _ in range(self.comm.size)]
+        for i, s in self.assignment.buffer_order():
+            by_rank[self.assignment.shards[i][s]].append((i, s))
+        places, groups, slots, offset = {}, [], [], 0
+        for items in by_rank:
+            for i, s in items:
+                places[i, s] = offset
+                groups.append(offset)
+                offset += self._part_size(i, s)
+                if s == 0:
+                    groups.append(offset)
+                    offset += len(refreshed[i])
+            for _ in range(n_terms):
+                groups.append(offset)
+                slots.append(offset)
+                offset += 1
+        return places, groups, numpy.asarray(slots)

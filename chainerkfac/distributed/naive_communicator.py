@@ -70,10 +70,10 @@ class NaiveCommunicator(KfacCommunicatorMixin,
             requests = [self._group_comm.Irecv(array, source=root)]
         return lambda: mpi4py.MPI.Request.Waitall(requests)
 
-    def _allreduce_max(self, value):
-        buf = numpy.array([value], dtype=numpy.float64)
+    def _allreduce_max(self, values):
+        buf = numpy.array(values, dtype=numpy.float64)
         self.mpi_comm.Allreduce(mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.MAX)
-        return float(buf[0])
+        return buf
 
     @staticmethod
     def _grad_wire_itemsize(array):

@@ -130,13 +130,13 @@ class PureNcclCommunicator(KfacCommunicatorMixin,
         # (a write to the array included) once it is done.
         return lambda: None
 
-    def _allreduce_max(self, value):
+    def _allreduce_max(self, values):
         self._init_comms()
-        buf = cupy.array([value], dtype=cupy.float64)
+        buf = cupy.array(values, dtype=cupy.float64)
         self.nccl_comm.allReduce(
-            buf.data.ptr, buf.data.ptr, 1, nccl.NCCL_FLOAT64, nccl.NCCL_MAX,
-            chainer.cuda.Stream.null.ptr)
-        return float(buf.get()[0])
+            buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT64,
+            nccl.NCCL_MAX, chainer.cuda.Stream.null.ptr)
+        return buf.get()
 
     def _grad_wire_itemsize(self, grad):
         # ChainerMN packs every gradient into one buffer of this dtype.

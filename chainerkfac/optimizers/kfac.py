@@ -22,6 +22,7 @@ import chainer.links as L
 from chainer import backend
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
+import numpy
 
 from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
@@ -115,10 +116,10 @@ class LocalStages:
             lambda block: block.precondition(weight_decay),
             self.owned(optimizer.blocks), _work('precondition_cost')))
 
-    def gather(self, optimizer, rates, terms):
-        """Shares preconditioned gradients; ``rates`` are the change rates
-        of the factors this process refreshed, ``{block: {factor: rate}}``.
-        ``terms`` is this process's part of the update-norm guard's sums,
+    def gather(self, optimizer, terms):
+        """Shares preconditioned gradients and the refresh schedules of the
+        factors this process refreshed. ``terms`` is this process's part of
+        the update-norm guard's sums,
         ``(Σ_b ⟨V_b, ∇_b⟩, samples in its batch)``; returns their sums over
         every process, the same numbers on each."""
         return terms
@@ -466,6 +467,7 @@ class KFAC(optimizer.GradientMethod):
         except BaseException:
             _restore(running)
             raise
+        chainer.report({'kfac/skipped_steps': int(not taken)})
         if taken:
             self._skipped_in_a_row = 0
             self._last_nonfinite = None
@@ -510,6 +512,8 @@ class KFAC(optimizer.GradientMethod):
         scale = None
         if taken:
             scale = self.update_curvature(stats, samples)
+            taken = self._preconditioned_fit()
+        if taken:
             for param in self.target.params():
                 param.update()
         self.reallocate_cleared_grads()
@@ -546,6 +550,43 @@ class KFAC(optimizer.GradientMethod):
                 and link.avg_mean is not None
                 for array in (link.avg_mean, link.avg_var)]
 
+    def _preconditioned_fit(self):
+        """Whether the preconditioned gradients of float16 parameters are
+        finite.
+
+        ``V = F̂⁻¹ ∇`` carries the loss scale ``s`` as ``∇`` does, and can
+        be much larger than ``∇``: with a scale that just keeps ``∇``
+        within float16 (dynamic loss scaling grows it up to there), ``s V``
+        overflows. Dynamic loss scaling then skips the step and halves
+        ``s``, as it does for an overflowing ``∇``; a static scale raises.
+        Every process holds every preconditioned gradient after the
+        gather, so all take the same decision.
+        """
+        halves = [(block.name, p.grad) for block in self.blocks
+                  for p in block.params() if p.grad is not None
+                  and p.grad.dtype == numpy.float16]
+        if not halves:
+            return True
+        names = [name for (name, _), finite in zip(
+            halves, _all_finite([grad for _, grad in halves]))
+            if not finite]
+        if not names:
+            return True
+        if self._loss_scaling_is_dynamic:
+            self._loss_scaling_isnan = self._loss_scaling_isnan_ever = True
+            self._last_nonfinite = names[0]
+            logger.warning('skipping iteration %d: the preconditioned '
+                           'gradient of %s overflows float16 at loss scale '
+                           '%g; halving the scale', self.t, names[0],
+                           self._loss_scale)
+            return False
+        raise base.NonFiniteError(
+            'the preconditioned gradient of {} overflows float16 at loss '
+            'scale {:g} (iteration {}): lower the scale, use dynamic loss '
+            'scaling (optimizer.loss_scaling()), or keep the parameters in '
+            'float32 (chainer.mixed16)'.format(names[0], self._loss_scale or 1,
+                                               self.t))
+
     def _check_finite_gradients(self):
         """False (skip) or an error when a gradient is NaN or Inf."""
         named = [(name, param) for name, param in self.target.namedparams()
@@ -561,7 +602,6 @@ class KFAC(optimizer.GradientMethod):
                 logger.warning('skipping iteration %d: non-finite gradient '
                                'in %s', self.t, name)
                 self._last_nonfinite = name
-                chainer.report({'kfac/skipped_steps': 1})
                 return False
         return True
 
@@ -599,8 +639,10 @@ class KFAC(optimizer.GradientMethod):
                 step, block.effective_damping(hp)),
             due, _work('inverse_cost'))) if done]
         self._stages.share_inverses(self, refreshed)
-        inner = self._stages.precondition(self, hp.weight_decay)
-        inner, batch = self._stages.gather(self, rates, (inner, samples or 0))
+        # The gradients carry the loss scale; the decay term must too.
+        inner = self._stages.precondition(
+            self, hp.weight_decay * (self._loss_scale or 1))
+        inner, batch = self._stages.gather(self, (inner, samples or 0))
         kl = update_norm.kl_estimate(inner, hp.lr, self._loss_scale)
         nu = update_norm.scale(kl, update_norm.bound(
             hp.kl_clip, batch or None, self.kl_clip_batch))
@@ -613,8 +655,7 @@ class KFAC(optimizer.GradientMethod):
         report = {'kfac/damping': hp.damping,
                   'kfac/kl': kl, 'kfac/update_scale': nu,
                   'kfac/factor_refreshes': sum(map(len, rates.values())),
-                  'kfac/inverse_refreshes': len(refreshed),
-                  'kfac/skipped_steps': 0}
+                  'kfac/inverse_refreshes': len(refreshed)}
         if measured:
             report['kfac/change_rate'] = sum(measured) / len(measured)
         chainer.report(report)

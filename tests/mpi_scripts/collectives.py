@@ -19,6 +19,7 @@ import chainer.links as L
 from chainerkfac.distributed import check_same_structure
 from chainerkfac.distributed import create_communicator
 from chainerkfac.distributed import global_except_hook
+from chainerkfac.distributed.communicator import SCALE_BLOCK
 
 
 NAME = sys.argv[1] if len(sys.argv) > 1 else 'naive'
@@ -120,10 +121,53 @@ def check_half_precision(comm, counts):
         assert_allclose(to_cpu(out), numpy.concatenate(segments),
                         rtol=0, atol=eps16 * largest)
 
-        # Two bytes an element, plus the exchange of the largest value.
+        # Two bytes an element, plus the exchange of the largest value of
+        # each block of the transfer.
+        exchange = 8 * -(-total // SCALE_BLOCK)
         assert comm.reset_bytes_moved() == {
-            'reduce_scatter_v': 2 * total + 8, 'all_gather_v': 2 * total + 8,
+            'reduce_scatter_v': 2 * total + exchange,
+            'all_gather_v': 2 * total + exchange,
             'alltoall_v': 0, 'allreduce': 0, 'bcast': 0}
+
+
+def assert_within(got, expected, tolerance):
+    excess = numpy.abs(got - expected) / tolerance
+    assert (excess <= 1).all(), 'error up to {:g}x the tolerance, at {}' \
+        .format(excess.max(), numpy.argmax(excess))
+
+
+def check_mixed_magnitudes(comm):
+    # One transfer holding runs 1e12 apart (a loss-scaled gradient beside a
+    # factor of small curvature): each run keeps float16's precision, in
+    # fixed blocks of SCALE_BLOCK and in groups the caller names (entries
+    # of any length, unaligned with the ranks' segments).
+    rank, size = comm.rank, comm.size
+    counts = [SCALE_BLOCK + 300 * r for r in range(size)]
+    total, off = sum(counts), offsets(counts)
+    eps16 = 2.0 ** -11
+    entries = numpy.cumsum([0, 7, 300, 3, 1500, 1, 2] + [100] * size)
+    for groups in (None, entries[entries < total]):
+        starts = (numpy.arange(0, total, SCALE_BLOCK) if groups is None
+                  else groups)
+        group = numpy.searchsorted(starts, numpy.arange(total), 'right') - 1
+        magnitude = numpy.where(group % 2, 1e6, 1e-6)
+
+        def group_largest(arrays):
+            largest = numpy.abs(arrays).max(axis=0)
+            return numpy.array([largest[group == g].max()
+                                for g in range(len(starts))])[group]
+
+        inputs = [data(r, total) * magnitude for r in range(size)]
+        out = comm.reduce_scatter_v(xp.asarray(inputs[rank]), counts, groups)
+        mine = slice(off[rank], off[rank + 1])
+        assert_within(to_cpu(out), sum(inputs)[mine],
+                      size * size * eps16 * group_largest(inputs)[mine])
+        segments = [(data(100 + r, total) * magnitude)[off[r]:off[r + 1]]
+                    for r in range(size)]
+        expected = numpy.concatenate(segments)
+        out = comm.all_gather_v(xp.asarray(segments[rank]), counts, groups)
+        assert_within(to_cpu(out), expected,
+                      eps16 * group_largest([expected]))
 
 
 def check_dense_collectives(comm):
@@ -180,6 +224,7 @@ def main():
     for counts in COUNTS[comm.size]:
         check_v_collectives(comm, counts)
         check_half_precision(half, counts)
+    check_mixed_magnitudes(half)
     check_alltoall_v(comm)
     check_dense_collectives(comm)
     check_model_collectives(comm)

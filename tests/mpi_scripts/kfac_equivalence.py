@@ -5,6 +5,7 @@
     ... [--mlp [H1,H2]] [--max-load-imbalance X] [--min-shared-dim D]
     ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
+    ... [--float16] [--transport-dtype float16]
 
 The update-norm guard is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
@@ -19,6 +20,8 @@ runs split over ranks; rank 0 then prints the parts of every block as
 JSON (``parts: {...}``: ranks, bounds and the form of the inverses).
 ``--min-shared-dim`` lowers the size from which the ranks of a split block
 share its Cholesky factorization, so that small models take that path.
+``--float16`` trains the CNN in float16 at a static loss scale of 1024;
+``--transport-dtype float16`` sends factors and gradients as float16.
 """
 import argparse
 import json
@@ -39,9 +42,9 @@ STEPS = 7
 
 
 class CNN(chainer.Chain):
-    def __init__(self, batch_norm=False):
+    def __init__(self, batch_norm=False, dtype=numpy.float64):
         super().__init__()
-        with chainer.using_config('dtype', numpy.float64), self.init_scope():
+        with chainer.using_config('dtype', dtype), self.init_scope():
             self.conv1 = L.Convolution2D(2, 4, 3, pad=1)
             self.bn = L.BatchNormalization(4) if batch_norm else None
             self.conv2 = L.Convolution2D(4, 4, 3, stride=2, nobias=True)
@@ -87,14 +90,17 @@ def main():
                         help="ChainerMN's communicator of that name, as a "
                         'ChainerMN user creates it')
     parser.add_argument('--min-shared-dim', type=int, default=None)
+    parser.add_argument('--float16', action='store_true')
+    parser.add_argument('--transport-dtype', default=None)
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
     device = chainer.get_device(args.device)
     device.use()
     numpy.random.seed(0)
+    dtype = numpy.float16 if args.float16 else numpy.float64
     model = (MLP(tuple(int(h) for h in args.mlp.split(',')))
-             if args.mlp else CNN(args.batch_norm))
+             if args.mlp else CNN(args.batch_norm, dtype))
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
@@ -102,11 +108,14 @@ def main():
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters, kl_clip=1e-4)
+    if args.float16:
+        optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1
     if not args.single:
         comm = (chainermn.create_communicator(args.communicator)
                 if args.chainermn
-                else chainerkfac.create_communicator(args.communicator))
+                else chainerkfac.create_communicator(
+                    args.communicator, transport_dtype=args.transport_dtype))
         rank, size = comm.rank, comm.size
         # Different initial weights on other ranks: setup must broadcast.
         if rank:
@@ -120,7 +129,7 @@ def main():
     reporter, scales = chainer.Reporter(), []
     for step in range(STEPS):
         rng = numpy.random.RandomState(step)
-        x = rng.randn(GLOBAL_BATCH, 2, 6, 6)
+        x = rng.randn(GLOBAL_BATCH, 2, 6, 6).astype(dtype)
         t = rng.randint(0, 3, GLOBAL_BATCH).astype(numpy.int32)
         observation = {}
         with reporter.scope(observation):
