@@ -8,7 +8,9 @@ JSON into the command-line namespace and silently ignored keys such as
 ``stab_coeff`` that nothing read.) :func:`save` writes the resolved
 configuration, which :func:`load` reads back unchanged.
 
-The configurations of paper Table 1 live in ``configs/``; ``gpus`` states the
+The configurations of paper Table 1 live in ``configs/paper/`` (as the paper
+ran them) and ``configs/original/`` (as the original implementation's code
+applied its published values; README.md compares them); ``gpus`` states the
 number of processes (GPUs) a row assumes, and the global mini-batch is
 ``batchsize x processes x acc_iters``.
 """
