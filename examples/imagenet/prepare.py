@@ -85,16 +85,33 @@ def scan_class_tree(folder):
 
 
 def read_val_labels(path, classes):
-    """Pairs from ``<file> <label>`` lines; a label is a class or an index."""
+    """Pairs from ``<file> <label>`` lines; a label is a class (a folder
+    name of ``train/``, an ImageNet ``wnid``) or an index into the sorted
+    classes. A line whose label is neither raises ``ValueError`` naming the
+    file, the line and the label: the devkit's own class numbers follow
+    another order than the sorted folder names, and would silently
+    mislabel every image."""
     index = {name: i for i, name in enumerate(classes)}
     pairs = []
     with open(path, encoding='utf-8') as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            name, label = line.rstrip('\r\n').rsplit(None, 1)
-            pairs.append((name, index[label] if label in index
-                          else int(label)))
+            parts = line.rstrip('\r\n').rsplit(None, 1)
+            label = parts[-1]
+            if label in index:
+                value = index[label]
+            elif label.isdigit() and int(label) < len(classes):
+                value = int(label)
+            else:
+                raise ValueError(
+                    '{}, line {}: label {!r} is neither a class of train/ '
+                    '(e.g. {}) nor an index below {}'.format(
+                        path, number, label, classes[0], len(classes)))
+            if len(parts) != 2:
+                raise ValueError('{}, line {}: expected "<file> <label>", '
+                                 'got {!r}'.format(path, number, line))
+            pairs.append((parts[0], value))
     return pairs
 
 

@@ -103,3 +103,17 @@ def test_prepare_tree_with_val_labels(tmp_path):
     assert mean.shape == (3, 8, 8)
     numpy.testing.assert_allclose(mean, 50, atol=2)  # (0 + 50 + 100) / 3
     assert os.path.exists(str(out / 'train' / 'n02' / 'im 2.JPEG'))
+
+
+@pytest.mark.parametrize('line,label', [('v0.JPEG 490', "'490'"),
+                                        ('v0.JPEG n03', "'n03'"),
+                                        ('v0.JPEG', "'v0.JPEG'")])
+def test_val_labels_of_other_classes_are_refused(tmp_path, line, label):
+    # The devkit numbers classes 1-1000 in its own order: such a file must
+    # not label the images silently.
+    labels = tmp_path / 'val_labels.txt'
+    labels.write_text('v1.JPEG n01\n' + line + '\n')
+    with pytest.raises(ValueError, match="line 2: label {} is neither a "
+                       "class of train/ \\(e.g. n01\\) nor an index below "
+                       "2".format(label)):
+        prepare.read_val_labels(str(labels), ['n01', 'n02'])
