@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Distributed K-FAC training of ResNet-50 on ImageNet (Osawa et al. 2019).
 
-    mpiexec -n N python train.py TRAIN_LIST VAL_LIST --config configs/paper/X.json
-        [--root DIR] [--mean FILE] [--acc-iters K] [--model NAME]
+    mpiexec -n N python train.py TRAIN_LIST VAL_LIST \
+        --config configs/paper/X.json [--root DIR] [--mean FILE]
+        [--acc-iters K] [--model NAME]
         [--batchsize B] [--epochs E | --iterations I] [--out DIR]
         [--resume SNAPSHOT] [--loaderjob J] [--device auto|cpu|gpu]
 
