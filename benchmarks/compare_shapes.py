@@ -17,6 +17,8 @@ K-FAC runs at its defaults; its update-norm guard's bound follows the
 schedule's squared factor, as the guard's ``q`` grows with ``lr²``, so the
 guard neither undoes the warm-up nor the decay.
 
+``--swap`` adds the one-line swap: ``KFAC(lr, momentum)`` at its default
+bound, which is left alone while the learning rate follows the schedule.
 After the grid, K-FAC's best base learning rate at each batch also runs
 with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
@@ -62,9 +64,13 @@ OPTIMIZERS = {
                       'inverse_interval': 1},
 }
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
+#: The one-line swap: ``KFAC(lr, momentum)`` under the same learning-rate
+#: schedule, its bound at the default and left alone (every other K-FAC
+#: run scales the bound with the schedule's squared factor).
+OPTIMIZERS['kfac_swap'] = {}
 #: The rows of the report: ``kfac_default`` is the best of K-FAC's runs at
-#: its default bound, the one-line swap.
-ROWS = ('sgd', 'kfac', 'kfac_default') + STALE
+#: its default bound (scheduled), ``kfac_swap`` the one-line swap.
+ROWS = ('sgd', 'kfac', 'kfac_default', 'kfac_swap') + STALE
 DEFAULT_KL_CLIP = chainerkfac.optimizers.KFAC().kl_clip
 
 _DATA = {}
@@ -121,7 +127,7 @@ def train(spec):
             idx = order[k * batch:(k + 1) * batch]
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
-            if options is not None:
+            if options is not None and name != 'kfac_swap':
                 optimizer.kl_clip = kl_clip * factor * factor
             loss_value, seconds = harness.train_step(model, optimizer,
                                                      x_tr[idx], y_tr[idx])
@@ -289,7 +295,8 @@ def plot(best, path):
     fig, axes = plt.subplots(len(batches), 4, squeeze=False,
                              figsize=(18, 4 * len(batches)))
     colors = dict(zip(ROWS, ('tab:blue', 'tab:red', 'tab:gray',
-                             'tab:orange', 'tab:green', 'tab:purple')))
+                             'tab:brown', 'tab:orange', 'tab:green',
+                             'tab:purple')))
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -361,6 +368,9 @@ def main(argv=None):
     parser.add_argument('--stale', action='store_true',
                         help='also the stale schedules at K-FAC\'s best '
                         'setting')
+    parser.add_argument('--swap', action='store_true',
+                        help='also the one-line swap (kfac_swap) at each '
+                        'batch, at the first --lrs-kfac')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -390,6 +400,11 @@ def main(argv=None):
             lr, kl = best[(batch, 'kfac')]['setting']
             specs += [(name, lr, kl, batch, seed, args.epochs, args.warmup)
                       for seed in range(args.seeds) for name in STALE]
+    if args.swap:
+        lr = float(args.lrs_kfac.split(',')[0])
+        specs += [('kfac_swap', lr, DEFAULT_KL_CLIP, batch, seed,
+                   args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)

@@ -38,12 +38,8 @@ class CNN(chainer.Chain):
 
 
 def make_optimizer(inverse):
-    # The guard's bound at this batch of 6 is the one the fixture
-    # (tests/fixtures/snapshot_before_header.npz) ran with, when it grew
-    # like B / 64 instead of (B / 64)²: 1e-4 · 6 / 64.
     return chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
-        kl_clip=1e-4 * 64 / 6,
         factor_interval={'A': schedules.Adaptive(threshold=0.2),
                          'G': lambda t: 1 if t < 4 else 2},
         inverse_interval=3)

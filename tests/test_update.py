@@ -56,7 +56,7 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol):
     # The update-norm guard, at its default bound, scales this step, so the
     # dense reference applies its formula too: ν = min(1, sqrt(κ / (lr²
-    # Σ_b ⟨V_b, g_b⟩))), κ = kl_clip · (16 / 64)² for this batch of 16.
+    # Σ_b ⟨V_b, g_b⟩))), κ = kl_clip · 16 / 64 for this batch of 16.
     damping, lr = 1e-2, 0.5
     model = place(MLP(dtype))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
@@ -85,7 +85,7 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
         solved[block.name] = grad, brute_force.unvec(
             numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape)
     kl = lr ** 2 * sum(numpy.vdot(V, g) for g, V in solved.values())
-    nu = min(1.0, numpy.sqrt(opt.kl_clip * (len(x) / 64) ** 2 / kl))
+    nu = min(1.0, numpy.sqrt(opt.kl_clip * len(x) / 64 / kl))
     assert nu < 0.5  # the guard acts here
     numpy.testing.assert_allclose(observation['kfac/kl'], kl,
                                   rtol=rtol)
@@ -106,9 +106,10 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
     (4, 1, 1, 16), (4, 1, 4, 16), (64, 1, 0, 48)])
 def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
                                           batch):
-    # κ = kl_clip · (B / kl_clip_batch)², B the whole batch however it was fed
-    # (micro-batches of acc_iters, or the user's own forward and backward
-    # passes, ``manual`` of them).
+    # κ = kl_clip · r · max(r, 1), r = B / kl_clip_batch: like B below
+    # kl_clip_batch, like B² above it (kl_clip_batch 4). B is the whole
+    # batch however it was fed (micro-batches of acc_iters, or the user's
+    # own forward and backward passes, ``manual`` of them).
     kl_clip = 1e-4
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
@@ -126,7 +127,7 @@ def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
         else:
             opt.update(loss_fn(model), x, t)
     bound = kl_clip if kl_clip_batch is None else \
-        kl_clip * (batch / kl_clip_batch) ** 2
+        kl_clip * batch / kl_clip_batch * max(batch / kl_clip_batch, 1)
     expected = min(1.0, numpy.sqrt(bound / observation['kfac/kl']))
     assert expected < 1  # the guard acts at every one of these bounds
     numpy.testing.assert_allclose(observation['kfac/update_scale'], expected,

@@ -270,8 +270,9 @@ class KFAC(optimizer.GradientMethod):
             ``ExponentialShift('kl_clip', ...)`` gives it a schedule.
             ``None`` turns the guard off.
         kl_clip_batch (int or None): The global batch at which the bound is
-            ``kl_clip``; it grows with the square of the batch,
-            ``κ = kl_clip · (B / kl_clip_batch)²`` (the samples of the training
+            ``kl_clip``; it grows like the batch below it and like its
+            square above it: ``κ = kl_clip · r · max(r, 1)``,
+            ``r = B / kl_clip_batch`` (``B`` the samples of the training
             forward passes since the previous step, micro-batches and a
             manual loop's several passes included, summed over processes).
             ``None`` keeps ``κ = kl_clip`` at every batch.
