@@ -223,7 +223,8 @@ class KroneckerBlock(base.FisherBlock):
         W = self.link.W
         grad = linalg.widened(W.grad.reshape(W.shape[0], -1))
         if weight_decay:
-            grad = grad + weight_decay * W.array.reshape(grad.shape)
+            grad = grad + weight_decay * linalg.widened(
+                W.array.reshape(grad.shape))
         if not self.has_bias:
             return grad
         xp = backend.get_array_module(grad)

@@ -38,7 +38,8 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
             :meth:`~KfacCommunicatorMixin.reduce_scatter_v` and
             :meth:`~KfacCommunicatorMixin.all_gather_v` (paper §3.4); each
             tensor is scaled by a power of two so that its largest value,
-            times the number of summands, stays within the dtype's range.
+            times the number of summands, stays within half the dtype's
+            range.
             Off by default: float16 keeps about 3 significant digits.
         allreduce_grad_dtype: ``'pure_nccl'`` only, as in ChainerMN: the
             dtype of ``multi_node_mean_grad``'s transfers.

@@ -69,6 +69,29 @@ def _overlap(starts, total, offset, size):
     return int(held[0]), lengths[held[0]:held[-1] + 1]
 
 
+def _group_starts(groups, total):
+    """The sorted, distinct starts of the scale groups of a transfer of
+    ``total`` elements (every :data:`SCALE_BLOCK` when ``groups`` is
+    ``None``); the first group starts at 0 whatever ``groups`` says."""
+    if groups is None:
+        return numpy.arange(0, total, SCALE_BLOCK)
+    starts = numpy.asarray(groups, dtype=numpy.int64)
+    if starts.size and (starts.min() < 0 or starts.max() > total):
+        raise ValueError('groups must lie in [0, {}], got {} to {}'.format(
+            total, starts.min(), starts.max()))
+    return numpy.union1d([0], starts)
+
+
+def _group_index(xp, lengths):
+    """Per element of consecutive runs of ``lengths``, its run's index, on
+    the device of ``xp``. CuPy before 14 repeats by a list in a Python loop
+    (one copy per run), so on a GPU the runs are found by a search."""
+    if xp is numpy:
+        return numpy.repeat(numpy.arange(len(lengths)), lengths)
+    ends = xp.asarray(numpy.cumsum(lengths))
+    return xp.searchsorted(ends, xp.arange(int(ends[-1])), side='right')
+
+
 def _group_max(values, lengths):
     """The largest of each run of ``lengths`` consecutive ``values``, as
     a NumPy array."""
@@ -78,8 +101,7 @@ def _group_max(values, lengths):
         return numpy.maximum.reduceat(values, starts)
     import cupyx
     out = xp.zeros(len(lengths), dtype=values.dtype)
-    index = xp.repeat(xp.arange(len(lengths)), lengths.tolist())
-    cupyx.scatter_max(out, index, values)
+    cupyx.scatter_max(out, _group_index(xp, lengths), values)
     return out.get()
 
 
@@ -89,7 +111,7 @@ def _per_element(like, scales, starts, total, offset, size):
     xp = chainer.backend.get_array_module(like)
     first, lengths = _overlap(starts, total, offset, size)
     chosen = xp.asarray(scales[first:first + len(lengths)], dtype=like.dtype)
-    return xp.repeat(chosen, lengths.tolist())
+    return chosen[_group_index(xp, lengths)]
 
 
 class KfacCommunicatorMixin:
@@ -395,8 +417,7 @@ class KfacCommunicatorMixin:
             return array, None
         if wire_dtype.itemsize > array.dtype.itemsize:
             return array.astype(wire_dtype), None
-        starts = (numpy.arange(0, total, SCALE_BLOCK) if groups is None
-                  else numpy.unique(numpy.asarray(groups, dtype=numpy.int64)))
+        starts = _group_starts(groups, total)
         first, lengths = _overlap(starts, total, offset, array.size)
         local = numpy.zeros(len(starts))
         if array.size:

@@ -11,8 +11,8 @@ One step on every rank::
                          precondition their blocks' gradients (a split
                          block: its ranks share the preconditioning and,
                          in the Cholesky form, the factorization)
-    6    all-gather      the preconditioned gradients (and the factors'
-                         change rates, which adaptive intervals need) reach
+    6    all-gather      the preconditioned gradients (and the intervals
+                         the owners' refresh schedules adapted to) reach
                          every rank; every rank applies the same update
 
 On a stale step only gradients travel: a reduce-scatter plus an all-gather,
@@ -466,10 +466,12 @@ class HybridParallelStages(kfac.LocalStages):
         option changed on some ranks only after setup stops every rank
         here, naming it.
 
-        Every rank, the owner too, takes the gradients as received, and the
-        other ranks take the owner's intervals (small integers, exact in
-        any float), not its change rates: with a ``transport_dtype`` that
-        rounds, the replicas and their refresh schedules still agree."""
+        Every rank, the owner too, takes the gradients and the owners'
+        intervals as received, not the change rates (a rate rounded on the
+        way could fall on the other side of an adaptive schedule's
+        threshold): with a ``transport_dtype`` that rounds (float16 holds
+        integers exactly up to 2048 only), the replicas and their refresh
+        schedules still agree."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
@@ -517,7 +519,7 @@ class HybridParallelStages(kfac.LocalStages):
                 target[...] = piece.reshape(target.shape)
             else:
                 blocks[i].set_gradient(piece.reshape(self._shapes[i]))
-            if s == 0 and self.assignment.owners[i] != self.comm.rank:
+            if s == 0:
                 intervals = everything[offset + n_grad:offset + n_grad
                                        + len(refreshed[i])]
                 for f, interval in zip(refreshed[i], intervals.tolist()):

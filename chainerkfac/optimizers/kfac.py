@@ -560,8 +560,11 @@ class KFAC(optimizer.GradientMethod):
         within float16 (dynamic loss scaling grows it up to there), ``s V``
         overflows. Dynamic loss scaling then skips the step and halves
         ``s``, as it does for an overflowing ``∇``; a static scale raises.
-        Every process holds every preconditioned gradient after the
-        gather, so all take the same decision.
+        The check is of ``s V`` as written into the gradients, before the
+        update-norm guard's ``ν ≤ 1``: a step whose ``ν s V`` would have
+        fitted is skipped too (conservative). Every process holds every
+        preconditioned gradient after the gather, so all take the same
+        decision.
         """
         halves = [(block.name, p.grad) for block in self.blocks
                   for p in block.params() if p.grad is not None
@@ -632,6 +635,10 @@ class KFAC(optimizer.GradientMethod):
                         raise
                     logger.warning('iteration %d: dropped non-finite '
                                    'statistics of %s', step, block.name)
+                    # Counted as refreshed, as the other processes count
+                    # it (they follow the owner's schedule).
+                    for f in stats[block]:
+                        block.schedules[f].mark(step)
 
         due = [block for block in owned
                if block.inverse_due(step, block.effective_damping(hp))]
