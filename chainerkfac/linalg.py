@@ -1,8 +1,8 @@
 """Damped inverses and preconditioning: the damping formulas live here only.
 
-Notation (Martens & Grosse 2015 §6.3; Osawa et al. CVPR 2019 §2): a layer's
-Fisher block is approximated by ``A ⊗ G``; ``∇W̄`` is its gradient as an
-``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
+Notation (Martens & Grosse 2015 §6.3; Osawa et al. CVPR 2019 §3.1-3.2): a
+layer's Fisher block is approximated by ``A ⊗ G``; ``∇W̄`` is its gradient
+as an ``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
 
 * Factored Tikhonov damping (``inverse='cholesky'``)::
 

@@ -1,6 +1,6 @@
 """The update-norm guard: a bound on the approximate KL change of a step.
 
-Ba et al. 2017 §5 (after Martens & Grosse 2015 §6.5). With ``g_b`` the
+Ba et al. 2017 §5 (after Grosse & Martens 2016, as §5 says). With ``g_b`` the
 gradient a K-FAC block ``b`` preconditioned and ``V_b = F̂_b⁻¹ g_b`` the
 result, a step ``Δ = −η V`` (before momentum) changes the model's output
 distribution by a KL divergence of about ``½ ΔᵀF̂Δ = ½ η² Σ_b ⟨V_b, g_b⟩``,

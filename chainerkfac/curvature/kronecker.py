@@ -1,7 +1,8 @@
 """Kronecker-factored block ``F ≈ A ⊗ G`` for layers ``s = W̄ ā``.
 
 Conventions (the empirical Fisher of Martens & Grosse 2015; for
-convolutions KFC, Grosse & Martens 2016, §3; Osawa et al. 2019, §3): each
+convolutions KFC, Grosse & Martens 2016, §3; Osawa et al. 2019, §3.2):
+each
 sample contributes rows ``ā_{i,t}`` (input patches with a homogeneous 1 when
 the layer has a bias) and ``ĝ_{i,t} = n ∂L/∂s_{i,t}`` (the per-sample output
 gradient of a batch-mean loss) for ``T`` positions ``t``::
@@ -14,8 +15,8 @@ gradients into columns (one per sample and position).
 
 With ``batch_subsample = k > 1`` both sums run over the first ``m = ⌈n/k⌉``
 samples of the batch only and divide by ``m`` instead of ``n``: the same
-expectations, estimated from fewer samples (the statistics of Ba et al.
-2017 §3 come from a part of the batch too), for about ``1/k`` of the work.
+expectations, estimated from fewer samples, for about ``1/k`` of the
+work.
 ``ĝ`` keeps the scale of the whole batch's mean loss.
 """
 from chainer import backend

@@ -36,7 +36,9 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
         transport_dtype: ``None`` sends arrays in their own dtype. A
             narrower float dtype (``numpy.float16``) halves the traffic of
             :meth:`~KfacCommunicatorMixin.reduce_scatter_v` and
-            :meth:`~KfacCommunicatorMixin.all_gather_v` (paper §3.4); each
+            :meth:`~KfacCommunicatorMixin.all_gather_v` (this library's own
+            addition: the paper's §3.4 computes factors in half precision
+            and sends their upper triangles, not half-precision data); each
             tensor is scaled by a power of two so that its largest value,
             times the number of summands, stays within half the dtype's
             range.

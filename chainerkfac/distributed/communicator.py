@@ -284,7 +284,8 @@ class KfacCommunicatorMixin:
     def allreduce_mean(self, array):
         """Replaces ``array`` by its mean over ranks, in place, and returns
         it: gradients of parameters outside the K-FAC blocks, and statistics
-        that every rank needs (paper §3.3, stage 3 for the gradients)."""
+        that every rank needs (the paper's stages have no such parameters;
+        its stage 3 reduce-scatters the blocks' gradients)."""
         self._check_contiguous_float(array)
         if self.size == 1:
             return array

@@ -234,10 +234,11 @@ class KFAC(optimizer.GradientMethod):
             this many micro-batches and accumulates gradients and statistics
             over them, emulating a batch ``acc_iters`` times larger in the
             memory of one.
-        weight_decay (float): L2 coefficient in the paper's form (§4.2):
-            adds ``weight_decay * W`` to the gradient of every Linear and
+        weight_decay (float): L2 coefficient as in the paper's §4.2: adds
+            ``weight_decay * W`` to the gradient of every Linear and
             Convolution2D weight before preconditioning and ``weight_decay``
-            to those layers' damping. Biases and BatchNorm are not decayed.
+            to those layers' damping. Biases and BatchNorm are not decayed
+            (§4.2 also pulls BatchNorm weights towards a non-zero mean).
         bn_damping_multiplier (float): BatchNorm blocks are damped with
             ``bn_damping_multiplier * damping``.
         nonfinite (str): On a NaN or Inf in a gradient or factor, ``'raise'``

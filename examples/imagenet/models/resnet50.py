@@ -1,4 +1,5 @@
-"""ResNet-50 (He et al. 2016; Osawa et al. §5) and ResNet-50-D (He 2019).
+"""ResNet-50 (He et al. 2016; Osawa et al. §5) and ResNet-50-D (He et al.
+2019).
 
 Both are built from Convolution2D, BatchNormalization and Linear links only,
 so the K-FAC optimizer has a Fisher block for every parameterised link. The

@@ -9,9 +9,9 @@ fraction ``s ~ U(s_l, s_h)`` of the image and its aspect ratio
 then ``h_e`` and ``w_e`` are swapped with probability 1/2 (so tall and wide
 regions are equally likely), clipped to the image, and the rectangle is
 placed uniformly at random inside it. The paper uses ``p = 0.5``,
-``s ~ U(0.02, 0.25)``, ``r ~ U(0.3, 1)``. Zero is the mean of the inputs
-after mean subtraction, which is why the paper fills with it instead of the
-original method's random values.
+``s ~ U(0.02, 0.25)``, ``r ~ U(0.3, 1)``, and fills with zeros instead of
+the original method's random values (after mean subtraction zero is the
+mean input, our reading; the paper gives no reason).
 """
 import math
 
