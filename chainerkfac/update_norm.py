@@ -31,7 +31,7 @@ that the guard lets the same steps through at every batch. Measured
 (``docs/guide/tuning.md``): at batch 64 a bound of 1e-4 gave the best
 final accuracies across four models; growing like ``B`` it left K-FAC
 behind MomentumSGD at batch 1024 on ``shapes`` (0.469 against 0.591),
-like ``B²`` ahead (0.644 to 0.707); below 64, ``B²`` cost K-FAC its lead
+like ``B²`` ahead (0.644 to 0.691); below 64, ``B²`` cost K-FAC its lead
 on the digits at batch 32 (iterations to 97 % 0.92x MomentumSGD's against
 0.66x growing like ``B``).
 
