@@ -466,12 +466,12 @@ class HybridParallelStages(kfac.LocalStages):
         option changed on some ranks only after setup stops every rank
         here, naming it.
 
-        Every rank, the owner too, takes the gradients and the owners'
-        intervals as received, not the change rates (a rate rounded on the
-        way could fall on the other side of an adaptive schedule's
-        threshold): with a ``transport_dtype`` that rounds (float16 holds
-        integers exactly up to 2048 only), the replicas and their refresh
-        schedules still agree."""
+        Every rank, the owner too, takes the owners' intervals as received
+        (not the change rates: a rate rounded on the way could fall on the
+        other side of an adaptive schedule's threshold), and the gradients
+        too where a ``transport_dtype`` rounds them (float16 holds integers
+        exactly up to 2048 only): the replicas and their refresh schedules
+        agree."""
         blocks = optimizer.blocks
         refreshed = {i: [key for key, _, _ in self._layout[i, 0]
                          if key != 'grad'] for i in range(len(blocks))}
@@ -511,13 +511,16 @@ class HybridParallelStages(kfac.LocalStages):
         step = optimizer.t
         assembled = {i: xp.empty(self._shapes[i], dtype=dtype)
                      for i in self._bounds}
+        # Without a transport_dtype an owner's gradients come back as it
+        # sent them: only a rounding transport makes it take the copy.
+        rounded = self.comm.get_config('transport_dtype') is not None
         for (i, s), offset in places.items():
             n_grad = self._part_size(i, s)
             piece = everything[offset:offset + n_grad]
             if i in assembled:
                 target = blocks[i].part_of(assembled[i], *self._bounds[i][s])
                 target[...] = piece.reshape(target.shape)
-            else:
+            elif rounded or self.assignment.owners[i] != self.comm.rank:
                 blocks[i].set_gradient(piece.reshape(self._shapes[i]))
             if s == 0:
                 intervals = everything[offset + n_grad:offset + n_grad
