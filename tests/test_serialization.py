@@ -94,18 +94,11 @@ def test_distributed_resume_with_split_blocks(tmp_path):
         assert_identical(straight + suffix, resumed + suffix)
 
 
-def test_snapshot_written_before_the_header_still_resumes(tmp_path):
-    # tests/fixtures/snapshot_before_header.npz: steps 0-4 of
-    # resume_run.py, written by the code before snapshots had a K-FAC
-    # header (commit f9eb33b).
-    # The fixture's steps ran on NumPy 2's BLAS: on another one the runs
-    # agree to round-off, not bit for bit (a resume that lost state would
-    # differ in the first digits).
-    fixture = os.path.join(HERE, 'fixtures', 'snapshot_before_header')
-    straight = numpy.load(run(tmp_path, 'straight', 0, 10, 'cholesky')
-                          + '.npz')
-    resumed = numpy.load(run(tmp_path, 'resumed', 5, 10, 'cholesky',
-                             resume=fixture) + '.npz')
+def assert_close_runs(straight, resumed):
+    """The fixtures' steps ran on NumPy 2's BLAS: on another one the runs
+    agree to round-off, not bit for bit (a resume that lost state would
+    differ in the first digits)."""
+    straight, resumed = numpy.load(straight), numpy.load(resumed)
     assert set(straight.files) == set(resumed.files)
     for key in straight.files:
         if straight[key].dtype.kind in 'US':  # the K-FAC header's text
@@ -114,6 +107,35 @@ def test_snapshot_written_before_the_header_still_resumes(tmp_path):
         numpy.testing.assert_allclose(
             resumed[key], straight[key], rtol=1e-4,
             atol=1e-4 * numpy.abs(straight[key]).max(), err_msg=key)
+
+
+@pytest.mark.parametrize('fixture,inverse', [
+    # Steps 0-4 of resume_run.py, written before snapshots had a K-FAC
+    # header (commit f9eb33b).
+    ('snapshot_before_header', 'cholesky'),
+    # Written before inverse forms became objects (commit 7d85877).
+    ('snapshot_eigen', 'eigen'),
+])
+def test_snapshot_written_by_older_code_still_resumes(tmp_path, fixture,
+                                                       inverse):
+    fixture = os.path.join(HERE, 'fixtures', fixture)
+    straight = run(tmp_path, 'straight', 0, 10, inverse)
+    resumed = run(tmp_path, 'resumed', 5, 10, inverse, resume=fixture)
+    assert_close_runs(straight + '.npz', resumed + '.npz')
+
+
+def test_split_snapshot_written_by_older_code_still_resumes(tmp_path):
+    # Steps 0-4 of resume_run.py --mlp on 3 ranks (explicit and Cholesky
+    # parts of split blocks), written before the split-block protocol
+    # moved to chainerkfac.distributed (commit 7d85877).
+    fixture = os.path.join(HERE, 'fixtures', 'snapshot_split')
+    extra = ['--mlp']
+    straight = run_distributed(tmp_path, 'straight', 0, 10, n=3, extra=extra)
+    resumed = run_distributed(tmp_path, 'resumed', 5, 10, fixture, n=3,
+                              extra=extra)
+    for rank in range(3):
+        suffix = '.rank{}.npz'.format(rank)
+        assert_close_runs(straight + suffix, resumed + suffix)
 
 
 def failing_run(args, n=None):
