@@ -36,6 +36,10 @@ import numpy
 
 import harness
 
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), 'examples',
+                                'imagenet'))
+import schemes  # NOQA  (the example's Trainer extensions)
+
 
 class MLP(chainer.Chain):
     def __init__(self):
@@ -131,8 +135,13 @@ def load_digits():
     return (x[400:], y[400:]), (x[:400], y[:400])
 
 
-def run(model_name, make_optimizer, seed, iterations, batchsize, data):
-    """Trains one model; returns its losses and final validation figures."""
+def run(model_name, make_optimizer, seed, iterations, batchsize, data,
+        damping_at=None):
+    """Trains one model; returns its losses and final validation figures.
+
+    ``damping_at(t)``, if given, sets K-FAC's damping before update ``t``
+    (what a Trainer extension such as the ImageNet example's
+    ``DampingWarmup`` does)."""
     (x_train, y_train), (x_val, y_val) = data
     factory, flat = MODELS[model_name]
     if flat:
@@ -146,7 +155,9 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data):
     order, position, losses = rng.permutation(len(x_train)), 0, []
     start = time.perf_counter()
     error = None
-    for _ in range(iterations):
+    for t in range(iterations):
+        if damping_at is not None and hasattr(optimizer, 'damping'):
+            optimizer.damping = damping_at(t)
         if position + batchsize > len(order):
             order, position = rng.permutation(len(x_train)), 0
         idx = order[position:position + batchsize]
@@ -184,6 +195,10 @@ def main():
     parser.add_argument('--seeds', type=int, default=2)
     parser.add_argument('--iterations', type=int, default=200)
     parser.add_argument('--batchsize', type=int, default=64)
+    parser.add_argument('--damping-warmup', default=None,
+                        help='FACTOR,STEPS: damping from FACTOR times its '
+                        'value down to it over STEPS updates, geometrically '
+                        '(the ImageNet example\'s DampingWarmup)')
     parser.add_argument('--no-sgd', action='store_true',
                         help='K-FAC only (MomentumSGD from an earlier run)')
     args = parser.parse_args()
@@ -197,12 +212,24 @@ def main():
     if not args.no_sgd:
         optimizers['momentum_sgd'] = lambda lr: chainer.optimizers.MomentumSGD(
             lr=lr, momentum=0.9)
+    damping_at = None
+    if args.damping_warmup:
+        factor, steps = args.damping_warmup.split(',')
+        target = options.get('damping', chainerkfac.optimizers.KFAC(
+            ).damping)
+        warmup = schemes.DampingWarmup(float(factor) * target, target,
+                                       int(steps))
+        damping_at = warmup.value
+        options_reported = dict(options, damping_warmup=args.damping_warmup)
+    else:
+        options_reported = options
     cells = []
     for model_name in args.models.split(','):
         for lr in lrs:
             for opt_name, make in optimizers.items():
                 runs = [run(model_name, lambda: make(lr), seed,
-                            args.iterations, args.batchsize, data)
+                            args.iterations, args.batchsize, data,
+                            damping_at)
                         for seed in range(args.seeds)]
                 cell = {
                     'model': model_name, 'lr': lr, 'optimizer': opt_name,
@@ -220,7 +247,7 @@ def main():
                           model_name, lr, opt_name, cell['val_accuracy'],
                           cell['val_loss'], cell['diverged'], len(runs),
                           cell['seconds']), flush=True)
-    payload = {'kfac_options': options, 'iterations': args.iterations,
+    payload = {'kfac_options': options_reported, 'iterations': args.iterations,
                'batchsize': args.batchsize, 'seeds': args.seeds,
                'environment': harness.environment(), 'cells': cells}
     name = 'convergence_suite{}.json'.format(
