@@ -45,7 +45,7 @@ def state_after_steps(model, x, t, patch, steps=2):
     for b in opt.blocks:
         for f, v in b.factor.items():
             out[b.name + '/' + f] = v
-        for k, v in b.inverse_state.items():
+        for k, v in (b.form.arrays if b.form else {}).items():
             out[b.name + '/' + k] = v
     for name, p in model.namedparams():
         out['param' + name] = p.array

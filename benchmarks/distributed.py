@@ -347,26 +347,13 @@ def split_table(results):
         'stale bytes', 'refresh bytes'])
 
 
-def block_cost(block):
-    """The cost-model entry of a block, as the optimizer builds it."""
-    from chainerkfac.distributed import assignment
-    if hasattr(block, 'assignment_cost'):
-        return assignment.BlockCost(block.name, *block.assignment_cost())
-    if block.factors == ('F',):
-        return assignment.BlockCost(block.name, block.bn_fisher,
-                                    (block.params()[0].size,))
-    W = block.link.W
-    return assignment.BlockCost(block.name, 'kronecker', (
-        W.size // W.shape[0] + int(block.has_bias), W.shape[0]))
-
-
 def imbalance(refresh_fractions=(1.0, 0.1, 0.01)):
     """Load imbalance (max/mean) of ResNet-50's blocks on 2 ... 1024 ranks."""
     from chainerkfac.distributed import assignment
     model = models_module.ResNet50(1000)
     opt = chainerkfac.optimizers.KFAC()
     opt.setup(model)
-    costs = [block_cost(b) for b in opt.blocks]
+    costs = [b.cost() for b in opt.blocks]
     sizes = [2 ** k for k in range(1, 11)]
     table = {}
     for frac in refresh_fractions:

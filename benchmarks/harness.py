@@ -4,7 +4,7 @@ Nothing here edits the library: stage times come from wrapping the methods of
 the Fisher blocks (and of the optimizer and communicator) with timers at run
 time, which :func:`instrument` does once per process. Timers are *exclusive*:
 time spent in a nested stage (the hooks' ``forward_statistics`` inside the
-model's forward, ``compute_inverse`` inside the optimizer's update) counts
+model's forward, ``update_inverse`` inside the optimizer's update) counts
 for that stage only.
 
 Stages, as in the profile figure of Osawa et al. (CVPR 2019)::
@@ -14,8 +14,9 @@ Stages, as in the profile figure of Osawa et al. (CVPR 2019)::
     statistics      forward_statistics + backward_statistics (the hooks),
                     take_statistics, update_factors (EMA, change rate, checks)
     communication   the communicator's collectives (0 in one process)
-    inversion       compute_inverse
-    precondition    FisherBlock.precondition (gradient, F^-1 grad, write back)
+    inversion       FisherBlock.update_inverse (building the inverse form)
+    precondition    the stages' precondition (gradient, F^-1 grad, write
+                    back; the parts of split blocks)
     update          everything else in optimizer.update (finite-gradient
                     checks, the momentum update rule, hooks, bookkeeping)
 """
@@ -264,9 +265,8 @@ def instrument():
         ('backward_statistics', 'stats_backward'),
         ('take_statistics', 'stats_take'),
         ('update_factors', 'factor_update'),
-        ('compute_inverse', 'inversion'),
+        ('update_inverse', 'inversion'),
         ('precondition', 'precondition'),
-        ('preconditioned_part', 'precondition'),
     ]
     classes = [base.FisherBlock, kronecker.KroneckerBlock,
                batch_normalization.BatchNormalizationBlock]
@@ -278,6 +278,13 @@ def instrument():
             if name in cls.__dict__:
                 _wrap(cls, name, stage)
     _wrap(kfac.KFAC, '_check_finite_gradients', 'finite_check')
+    _wrap(kfac.LocalStages, 'precondition', 'precondition')
+    try:
+        from chainerkfac.distributed import multi_node_optimizer
+        _wrap(multi_node_optimizer.HybridParallelStages, 'precondition',
+              'precondition')
+    except ImportError:  # pragma: no cover
+        pass
     try:
         from chainerkfac import cpu_parallel
         _wrap_function(cpu_parallel, 'map_blocks', 'curvature_pool')

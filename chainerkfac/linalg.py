@@ -1,4 +1,5 @@
-"""Damped inverses and preconditioning: the damping formulas live here only.
+"""Damped inverses and preconditioning: the damping formulas, and which
+block gets which damping, live here only.
 
 Notation (Martens & Grosse 2015 §6.3; Osawa et al. CVPR 2019 §3.1-3.2): a
 layer's Fisher block is approximated by ``A ⊗ G``; ``∇W̄`` is its gradient
@@ -21,6 +22,12 @@ as an ``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
 
 * A single damped matrix (BatchNorm blocks): ``(F + ε I)⁻¹``, element-wise
   for a diagonal ``F``.
+
+The damping ``ε`` of a block (:func:`layer_damping`,
+:func:`batch_norm_damping`): a Linear or Convolution2D block takes the
+``damping`` option plus the curvature ``η`` of the L2 weight decay its
+weights get (Osawa et al. §4.2); a BatchNorm block ``bn_damping_multiplier``
+times the damping (γ and β are not decayed).
 
 Everything takes and returns arrays of the caller's array module (NumPy or
 CuPy); the LAPACK fast path for CPU inverses is small and guarded.
@@ -54,6 +61,18 @@ def widened(array):
 def working_dtype(dtype):
     """The dtype :func:`widened` gives arrays of ``dtype``."""
     return numpy.dtype(numpy.float32 if dtype == numpy.float16 else dtype)
+
+
+def layer_damping(hyperparam):
+    """``ε + η``: the damping of a Kronecker block, with the curvature
+    ``η`` of the weight decay (``weight_decay``) its weights get."""
+    return hyperparam.damping + hyperparam.weight_decay
+
+
+def batch_norm_damping(hyperparam):
+    """``m ε``: the damping of a BatchNorm block (``m`` the
+    ``bn_damping_multiplier``)."""
+    return hyperparam.bn_damping_multiplier * hyperparam.damping
 
 
 def factored_damping(A, G, damping):

@@ -116,8 +116,8 @@ def assert_close_runs(straight, resumed):
     # Written before inverse forms became objects (commit 7d85877).
     ('snapshot_eigen', 'eigen'),
 ])
-def test_snapshot_written_by_older_code_still_resumes(tmp_path, fixture,
-                                                       inverse):
+def test_snapshot_written_by_older_code_still_resumes(
+        tmp_path, fixture, inverse):
     fixture = os.path.join(HERE, 'fixtures', fixture)
     straight = run(tmp_path, 'straight', 0, 10, inverse)
     resumed = run(tmp_path, 'resumed', 5, 10, inverse, resume=fixture)

@@ -6,6 +6,7 @@ import numpy
 import pytest
 
 import chainerkfac
+from chainerkfac.distributed import split
 from tests import brute_force
 from tests.device import host, place, send
 
@@ -73,7 +74,7 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
         opt.update(loss_fn(model), *send(x, t))
     solved = {}
     for block in opt.blocks:
-        assert state in block.inverse_state
+        assert state in block.form.arrays
         A = host(block.factor['A']).astype(numpy.float64)
         G = host(block.factor['G']).astype(numpy.float64)
         grad = full_gradient(getattr(ref, block.name)).astype(numpy.float64)
@@ -341,34 +342,47 @@ def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(
     x = send(rng.randn(8, d_in).astype(numpy.float32))
     opt.update(lambda x: F.sum(link(x) ** 2), x)
     block = opt.blocks[0]
-    block.inverse_form = 'cholesky'
+
+    def fix_split():
+        # One part, as the stages split a block over the ranks of one.
+        whole = split.Split.length(block.dims(), False)
+        layout = split.Split(block.dims(), False, [(0, whole)], (0,))
+        block.fix_form(layout.build)
+        return layout
+
+    layout = fix_split()
     block.update_inverse(opt.t + 1, 1e-2)
-    f, damped = block.shared_factor()
+    f = layout.cholesky
     other = 'G' if f == 'A' else 'A'
-    assert f == shared and sorted(block.inverse_state) == sorted(
-        [f + '_damped', other + '_inv'])
+    damped = block.form.arrays[f + '_chol']
+    assert f == shared and layout.shared
+    assert sorted(block.form.arrays) == sorted([f + '_chol', other + '_inv'])
     damping = dict(zip('AG', linalg.factored_damping(
         block.factor['A'], block.factor['G'], 1e-2)))
     numpy.testing.assert_allclose(
         host(damped), host(linalg.add_diagonal(block.factor[f], damping[f])))
-    chol = block.cholesky_alone()
+    chol = split.cholesky_alone(block, layout)
     numpy.testing.assert_allclose(
         host(chol), host(linalg.damped_cholesky(block.factor[f], damping[f])))
-    block.set_shared_cholesky(chol)
-    assert block.shared_factor() is None and block.ready()
+    block.form = block.form.with_cholesky(chol)
     grad = block.gradient()
     expected = linalg.kronecker_precondition(
         grad, linalg.damped_inverse(block.factor['A'], damping['A']),
         linalg.damped_inverse(block.factor['G'], damping['G']))
     numpy.testing.assert_allclose(
-        host(block.preconditioned_part(grad, block.inverse_part(
-            0, block.split_length()))), host(expected), rtol=1e-4)
+        host(layout.part_form(block.form, 0).apply(grad)), host(expected),
+        rtol=1e-4)
     # A smaller factor than that the owner factors at once, alone.
     monkeypatch.setattr(chainerkfac.curvature.cost,
                         'SHARED_FACTORIZATION_MIN_DIM', len(damped) + 1)
+    layout = fix_split()
+    assert not layout.shared
     block.update_inverse(opt.t + 2, 2e-2)
-    assert block.shared_factor() is None
-    assert sorted(block.inverse_state) == sorted([f + '_chol', other + '_inv'])
+    numpy.testing.assert_allclose(
+        host(block.form.arrays[f + '_chol']),
+        host(linalg.damped_cholesky(block.factor[f], dict(zip(
+            'AG', linalg.factored_damping(block.factor['A'],
+                                          block.factor['G'], 2e-2)))[f])))
 
 
 def test_nan_gradient_raises_by_default():

@@ -6,11 +6,12 @@ One block per supported link owns all K-FAC state of that link::
                    (only on steps where a factor is due; sums per sample)
     optimizer:  take_statistics()      -> batch means of the due factors
                 update_factors(step)   -> C <- d C + (1 - d) C_new
-                update_inverse(step)   -> damped inverse / eigenbasis
-                precondition()         -> param.grad <- V
+                update_inverse(step)   -> form = family.build(factors, ε)
+                precondition()         -> param.grad <- form.apply(∇)
 
-Damping is applied only when inverting (see :mod:`chainerkfac.linalg`);
-the stored statistics never contain it.
+Damping is applied only when building the inverse form
+(:mod:`chainerkfac.curvature.forms`; the formulas in
+:mod:`chainerkfac.linalg`); the stored statistics never contain it.
 """
 import collections
 
@@ -20,7 +21,7 @@ from chainer import serializer as serializer_module
 
 from chainerkfac import schedules
 from chainerkfac import update_norm
-from chainerkfac.curvature import cost
+from chainerkfac.curvature import forms
 
 
 class NonFiniteError(FloatingPointError):
@@ -45,7 +46,10 @@ class FisherBlock:
         link: The link whose parameters the block preconditions.
         name (str): The link's path in the model (e.g. ``'res2/conv1'``).
         factors (tuple of str): Names of the statistics the block keeps.
-        inverse (str): ``'cholesky'`` or ``'eigen'``.
+        family (:class:`~chainerkfac.curvature.forms.Family`): The inverse
+            forms the block may hold and how a refresh builds one.
+        form (:class:`~chainerkfac.curvature.forms.Form`): The current
+            damped inverse, or ``None`` before the first.
     """
 
     #: Names of the stored statistics; ``'A'`` comes from the forward pass,
@@ -55,30 +59,34 @@ class FisherBlock:
     def __init__(self, link, name, options):
         self.link = link
         self.name = name
-        self.inverse = options.inverse
+        self.family = self.form_family(options)
+        self.form = None
         self.schedules = {f: schedules.RefreshSchedule(
             options.factor_intervals['A' if f == 'A' else 'G'])
             for f in self.factors}
         self.inverse_schedule = schedules.RefreshSchedule(
             options.inverse_interval)
         self.factor = dict.fromkeys(self.factors)
-        self.inverse_state = {}
         #: The sums of each factor's statistics, kept from refresh to
         #: refresh (:meth:`statistics_out`).
         self._sum = dict.fromkeys(self.factors)
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
-        self._damping_used = None
-        #: ``None``: each refresh picks the form of the inverse. The
-        #: distributed stages fix it for a block whose preconditioning they
-        #: split over ranks, as the split depends on it
-        #: (:meth:`BlockCost.shard_costs
-        #: <chainerkfac.curvature.cost.BlockCost.shard_costs>`):
-        #: ``'explicit'`` inverses, or ``'cholesky'``, the larger factor's
-        #: Cholesky factor (which the block's ranks compute together,
-        #: :mod:`chainerkfac.distributed.cholesky`) and the smaller factor's
-        #: inverse.
-        self.inverse_form = None
+
+    @classmethod
+    def form_family(cls, options):
+        """The :class:`~chainerkfac.curvature.forms.Family` the
+        :class:`BlockOptions` give this kind of block."""
+        raise NotImplementedError
+
+    def fix_form(self, build):
+        """Makes every refresh build its form with ``build(factors,
+        damping, reuse)``, one of the family's kinds: the distributed
+        stages fix the form of a block whose preconditioning they split
+        over ranks, as the split depends on it
+        (:mod:`chainerkfac.distributed.split`)."""
+        self.family = forms.Family(self.family.kinds, build,
+                                   self.family.damping)
 
     @classmethod
     def unsupported_reason(cls, link):
@@ -217,8 +225,9 @@ class FisherBlock:
         """Whether step ``step`` must recompute the inverse: every factor
         exists, a factor or the damping changed since the last inverse, and
         the inverse schedule is due."""
+        used = None if self.form is None else self.form.damping
         return (all(self.factor[f] is not None for f in self.factors)
-                and (self._factors_changed or damping != self._damping_used)
+                and (self._factors_changed or damping != used)
                 and self.inverse_schedule.due(step))
 
     def update_inverse(self, step, damping):
@@ -228,17 +237,17 @@ class FisherBlock:
         """
         if not self.inverse_due(step, damping):
             return False
-        self.inverse_state = self.compute_inverse(
-            damping, self.inverse_reuse(step))
+        self.form = self.family.build(
+            tuple(self.factor[f] for f in self.factors), damping,
+            self.inverse_reuse(step))
         self.inverse_schedule.mark(step)
         self._factors_changed = False
-        self._damping_used = damping
         return True
 
     def effective_damping(self, hyperparam):
-        """``ε + η``: the damping plus the curvature η of the paper's L2
-        weight decay (Osawa et al. §4.2), which this block's weights get."""
-        return hyperparam.damping + hyperparam.weight_decay
+        """The damping this block's inverse is built with (the family's
+        policy, :mod:`chainerkfac.linalg`)."""
+        return self.family.damping(hyperparam)
 
     def inverse_reuse(self, step=None):
         """Steps an inverse computed at ``step`` is expected to serve: the
@@ -258,14 +267,6 @@ class FisherBlock:
                    + [min(interval(self.schedules[f])
                           for f in self.factors)])
 
-    def compute_inverse(self, damping, reuse):
-        """Returns the state :meth:`preconditioned` needs (a dict of arrays).
-
-        ``reuse`` (from :meth:`inverse_reuse`) lets a block choose between
-        forms that are cheap to compute and forms that are cheap to apply.
-        """
-        raise NotImplementedError
-
     # -- gradients ------------------------------------------------------
 
     def gradient(self, weight_decay=0.0):
@@ -277,23 +278,19 @@ class FisherBlock:
         """
         raise NotImplementedError
 
-    def preconditioned(self, grad):
-        """``F̂⁻¹ grad`` with the current (damped) inverse."""
-        raise NotImplementedError
-
     def set_gradient(self, grad):
         """Writes a gradient in the block's layout back into ``param.grad``."""
         raise NotImplementedError
 
     def splittable(self):
-        """Whether the preconditioning can be split over ranks by parts of
-        the gradient (see :meth:`KroneckerBlock.inverse_part
-        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`)."""
-        return False
+        """Whether the preconditioning can be split over ranks by rows or
+        columns of ``V`` (:mod:`chainerkfac.distributed.split`): the family
+        holds the forms that allow it."""
+        return forms.KroneckerMixed in self.family.kinds
 
     def ready(self):
         """Whether an inverse exists, i.e. the block can precondition."""
-        return bool(self.inverse_state)
+        return self.form is not None
 
     def precondition(self, weight_decay=0.0):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
@@ -304,7 +301,7 @@ class FisherBlock:
             grad = self.gradient()
             return update_norm.inner(grad, grad)
         grad = self.gradient(weight_decay)
-        preconditioned = self.preconditioned(grad)
+        preconditioned = self.form.apply(grad)
         self.set_gradient(preconditioned)
         return update_norm.inner(preconditioned, grad)
 
@@ -314,32 +311,19 @@ class FisherBlock:
         """A short description for :meth:`KFAC.describe`."""
         return type(self).__name__
 
-    def assignment_cost(self):
-        """``(kind, dims)`` for the layer-to-rank cost model.
-
-        See :class:`chainerkfac.distributed.BlockCost`: ``('kronecker',
-        (d_A, d_G))``, or ``('diagonal' | 'full', (size,))``. A custom block
-        used in a distributed run overrides this; in one process, a block
-        without it is taken to be small (see :mod:`chainerkfac.cpu_parallel`).
-        """
-        raise NotImplementedError(
-            '{} does not define assignment_cost(), which distributed K-FAC '
-            'needs to place it on a rank'.format(type(self).__name__))
-
     def cost(self):
-        """The block's :class:`~chainerkfac.distributed.BlockCost`, or
-        ``None`` for a custom block without :meth:`assignment_cost`."""
-        try:
-            return cost.BlockCost(self.name, *self.assignment_cost())
-        except NotImplementedError:
-            return None
+        """The block's :class:`~chainerkfac.distributed.BlockCost`, for the
+        layer-to-rank cost model, or ``None``: a custom block used in a
+        distributed run overrides this; in one process, a block without it
+        is taken to be small (see :mod:`chainerkfac.cpu_parallel`)."""
+        return None
 
     def state_bytes(self):
         """Bytes held by the stored factors, inverses and the sums kept for
         the next statistics (:meth:`statistics_out`)."""
-        arrays = (list(self.factor.values()) + list(self._sum.values())
-                  + list(self.inverse_state.values()))
-        return sum(a.nbytes for a in arrays if a is not None)
+        arrays = list(self.factor.values()) + list(self._sum.values())
+        return sum(a.nbytes for a in arrays if a is not None) + (
+            0 if self.form is None else self.form.nbytes)
 
     def in_snapshot(self, deserializer):
         """Whether ``deserializer`` (this block's part of a snapshot) holds
@@ -371,22 +355,21 @@ class FisherBlock:
                 serializer, f, self.factor[f])
             self.schedules[f].serialize(serializer['schedule_' + f])
         self.inverse_schedule.serialize(serializer['schedule_inverse'])
-        for key in self.inverse_keys():
-            value = self._serialize_array(
-                serializer, 'inverse_' + key, self.inverse_state.get(key))
-            if value is None:
-                self.inverse_state.pop(key, None)
-            else:
-                self.inverse_state[key] = value
+        arrays = {} if self.form is None else self.form.arrays
+        loaded = {}
+        for key in forms.snapshot_keys(self.family.kinds):
+            value = self._serialize_array(serializer, 'inverse_' + key,
+                                          arrays.get(key))
+            if value is not None:
+                loaded[key] = value
         self._factors_changed = bool(
             serializer('factors_changed', self._factors_changed))
-        used = serializer('damping_used', -1.0 if self._damping_used is None
-                          else self._damping_used)
-        self._damping_used = None if float(used) < 0 else float(used)
-
-    def inverse_keys(self):
-        """Names of the arrays :meth:`compute_inverse` returns."""
-        raise NotImplementedError
+        used = serializer('damping_used', -1.0 if self.form is None
+                          else self.form.damping)
+        if isinstance(serializer, serializer_module.Deserializer):
+            self.form = forms.restore(
+                self.family.kinds, loaded,
+                None if float(used) < 0 else float(used))
 
 
 def _present_key(key):

@@ -12,12 +12,16 @@ Per sample ``i`` and channel ``c``, with ``x̂`` the normalised input and
   ``2C x 2C`` block.
 
 Damping is ``bn_damping_multiplier x damping`` with no π (the block is not
-factored).
+factored; :func:`chainerkfac.linalg.batch_norm_damping`); the inverse forms
+are :mod:`chainerkfac.curvature.forms`'s ``Diagonal``, ``DenseInverse`` and
+``DenseEigen``.
 """
 from chainer import backend
 
 from chainerkfac import linalg
 from chainerkfac.curvature import base
+from chainerkfac.curvature import cost
+from chainerkfac.curvature import forms
 
 
 class BatchNormalizationBlock(base.FisherBlock):
@@ -28,6 +32,10 @@ class BatchNormalizationBlock(base.FisherBlock):
     def __init__(self, link, name, options):
         super().__init__(link, name, options)
         self.bn_fisher = options.bn_fisher
+
+    @classmethod
+    def form_family(cls, options):
+        return forms.BATCH_NORM[options.bn_fisher, options.inverse]
 
     def params(self):
         return [p for p in (getattr(self.link, 'gamma', None),
@@ -81,40 +89,11 @@ class BatchNormalizationBlock(base.FisherBlock):
         else:
             self._accumulate('F', Z.T @ Z, n)
 
-    def effective_damping(self, hyperparam):
-        """``bn_damping_multiplier x ε`` (γ and β are not weight-decayed)."""
-        return hyperparam.bn_damping_multiplier * hyperparam.damping
-
-    def compute_inverse(self, damping, reuse):
-        F = self.factor['F']
-        if self.bn_fisher == 'diagonal':
-            return {'diag_inv': linalg.diagonal_inverse(F, damping)}
-        if self.inverse == 'eigen':
-            w, Q = linalg.symmetric_eigh(F)
-            return {'eigvals': w, 'eigvecs': Q}
-        return {'inv': linalg.damped_inverse(F, damping)}
-
-    def inverse_keys(self):
-        if self.bn_fisher == 'diagonal':
-            return ('diag_inv',)
-        if self.inverse == 'eigen':
-            return ('eigvals', 'eigvecs')
-        return ('inv',)
-
     def gradient(self, weight_decay=0.0):
         # γ and β are not decayed: their natural value is not zero.
         xp = backend.get_array_module(self.params()[0].grad)
         return xp.concatenate([linalg.widened(p.grad.ravel())
                                for p in self.params()])
-
-    def preconditioned(self, grad):
-        s = self.inverse_state
-        if self.bn_fisher == 'diagonal':
-            return grad * s['diag_inv']
-        if self.inverse == 'eigen':
-            return linalg.eigen_precondition_single(
-                grad, (s['eigvals'], s['eigvecs']), self._damping_used)
-        return s['inv'] @ grad
 
     def set_gradient(self, grad):
         offset = 0
@@ -122,9 +101,10 @@ class BatchNormalizationBlock(base.FisherBlock):
             p.grad[...] = grad[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
-    def assignment_cost(self):
+    def cost(self):
         # The cost model counts channels and doubles them for (γ, β).
-        return self.bn_fisher, (self.params()[0].size,)
+        return cost.BlockCost(self.name, self.bn_fisher,
+                              (self.params()[0].size,))
 
     def describe(self):
         size = self.params()[0].size * len(self.params())

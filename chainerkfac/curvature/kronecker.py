@@ -24,7 +24,8 @@ import numpy
 
 from chainerkfac import linalg
 from chainerkfac.curvature import base
-from chainerkfac.curvature import cost as cost_module
+from chainerkfac.curvature import cost
+from chainerkfac.curvature import forms
 
 
 def sample_chunks(n, dim, positions):
@@ -51,21 +52,6 @@ def _add(total, value):
     return total
 
 
-def _split_cholesky_form(larger, smaller):
-    """The ``'cholesky'`` :attr:`~base.FisherBlock.inverse_form` of
-    ``(name, factor, damping)`` pairs: the smaller factor's inverse and the
-    larger one's Cholesky factor, or, from
-    :data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` on,
-    the damped factor the block's ranks factor together."""
-    (f, M, damping_M), (g, N, damping_N) = larger, smaller
-    if len(M) >= cost_module.SHARED_FACTORIZATION_MIN_DIM:
-        state = {f + '_damped': linalg.damped_factor(M, damping_M)}
-    else:
-        state = {f + '_chol': linalg.damped_cholesky(M, damping_M)}
-    state[g + '_inv'] = linalg.damped_inverse(N, damping_N)
-    return state
-
-
 class KroneckerBlock(base.FisherBlock):
     """A ``(A, G)`` block; ``∇W̄ = [W | b]`` as an ``(out, in)`` matrix."""
 
@@ -75,6 +61,10 @@ class KroneckerBlock(base.FisherBlock):
         super().__init__(link, name, options)
         self.has_bias = getattr(link, 'b', None) is not None
         self.batch_subsample = options.batch_subsample
+
+    @classmethod
+    def form_family(cls, options):
+        return forms.KRONECKER[options.inverse]
 
     def _kept(self, batch):
         """The samples the statistics use: the first ``⌈n/k⌉``."""
@@ -162,64 +152,6 @@ class KroneckerBlock(base.FisherBlock):
         gram *= n * n / T
         self._accumulate('G', gram, m)
 
-    def compute_inverse(self, damping, reuse):
-        A, G = self.factor['A'], self.factor['G']
-        if self.inverse == 'eigen':
-            w_A, Q_A = linalg.symmetric_eigh(A)
-            w_G, Q_G = linalg.symmetric_eigh(G)
-            return {'A_eigvals': w_A, 'A_eigvecs': Q_A,
-                    'G_eigvals': w_G, 'G_eigvecs': Q_G}
-        damping_A, damping_G = linalg.factored_damping(A, G, damping)
-        if self.inverse_form == 'cholesky':
-            # Split over ranks: only the larger factor stays a Cholesky
-            # factor (BlockCost.shard_costs). A large one the block's ranks
-            # compute together: it waits damped for set_shared_cholesky.
-            if len(A) >= len(G):
-                return _split_cholesky_form(('A', A, damping_A),
-                                            ('G', G, damping_G))
-            return _split_cholesky_form(('G', G, damping_G),
-                                        ('A', A, damping_A))
-        if self.inverse_form == 'explicit' or \
-                linalg.explicit_inverse_pays(len(A), len(G), reuse):
-            return {'A_inv': linalg.damped_inverse(A, damping_A),
-                    'G_inv': linalg.damped_inverse(G, damping_G)}
-        return {'A_chol': linalg.damped_cholesky(A, damping_A),
-                'G_chol': linalg.damped_cholesky(G, damping_G)}
-
-    def shared_factor(self):
-        """``(factor, M)``: the damped factor ``M`` (``'A'`` or ``'G'``)
-        whose Cholesky factor the ranks of a split block compute together
-        after a refresh in the ``'cholesky'`` :attr:`inverse_form`
-        (:func:`chainerkfac.distributed.cholesky.shared_cholesky`), or
-        ``None``."""
-        for f in self.factors:
-            if f + '_damped' in self.inverse_state:
-                return f, self.inverse_state[f + '_damped']
-        return None
-
-    def set_shared_cholesky(self, L):
-        """Completes the refresh that :meth:`shared_factor` left open with
-        the Cholesky factor ``L`` the block's ranks computed."""
-        f, _ = self.shared_factor()
-        del self.inverse_state[f + '_damped']
-        self.inverse_state[f + '_chol'] = L
-
-    def cholesky_alone(self):
-        """The Cholesky factor of :meth:`shared_factor`, computed by the
-        owner alone as an unsplit block would: with jitter, else through
-        the eigenvalues (:func:`chainerkfac.linalg.damped_cholesky`), for
-        a factor that a shared factorization found not positive
-        definite."""
-        f, _ = self.shared_factor()
-        damping = dict(zip(self.factors, linalg.factored_damping(
-            self.factor['A'], self.factor['G'], self._damping_used)))
-        return linalg.damped_cholesky(self.factor[f], damping[f])
-
-    def inverse_keys(self):
-        if self.inverse == 'eigen':
-            return ('A_eigvals', 'A_eigvecs', 'G_eigvals', 'G_eigvecs')
-        return ('A_inv', 'G_inv', 'A_chol', 'G_chol')
-
     def gradient(self, weight_decay=0.0):
         W = self.link.W
         grad = linalg.widened(W.grad.reshape(W.shape[0], -1))
@@ -232,76 +164,6 @@ class KroneckerBlock(base.FisherBlock):
         bias = linalg.widened(self.link.b.grad[:, None])
         return xp.concatenate([grad, bias], axis=1)
 
-    def preconditioned(self, grad):
-        s = self.inverse_state
-        if self.inverse == 'eigen':
-            return linalg.eigen_precondition(
-                grad, (s['A_eigvals'], s['A_eigvecs']),
-                (s['G_eigvals'], s['G_eigvecs']), self._damping_used)
-        if 'A_chol' in s:
-            return linalg.cholesky_precondition(grad, s['A_chol'],
-                                                s['G_chol'])
-        return linalg.kronecker_precondition(grad, s['A_inv'], s['G_inv'])
-
-    # -- parts of V for a block split over ranks ---------------------------
-
-    def splittable(self):
-        return self.inverse != 'eigen'
-
-    def _split_columns(self):
-        # V is (d_G, d_A). Explicit inverses split its longer side, the
-        # 'cholesky' form its shorter side (BlockCost.shard_costs).
-        d_A, d_G = self.assignment_cost()[1]
-        return (d_A >= d_G) == (self.inverse_form == 'explicit')
-
-    def split_length(self):
-        """The length of the side of ``V = G⁻¹ ∇W̄ A⁻¹`` that parts split:
-        the longer one with explicit inverses, the shorter one in the
-        ``'cholesky'`` :attr:`inverse_form`."""
-        dims = self.assignment_cost()[1]
-        return max(dims) if self.inverse_form == 'explicit' else min(dims)
-
-    def part_of(self, matrix, start, stop):
-        """The view of rows or columns ``start:stop`` of a ``(d_G, d_A)``
-        matrix along the side parts split."""
-        if self._split_columns():
-            return matrix[:, start:stop]
-        return matrix[start:stop]
-
-    def inverse_part_shapes(self, start, stop):
-        """Shapes of the arrays :meth:`inverse_part` returns."""
-        d_A, d_G = self.assignment_cost()[1]
-        whole = 'chol' if self.inverse_form == 'cholesky' else 'inv'
-        if self._split_columns():
-            return {'A_inv': (d_A, stop - start), 'G_' + whole: (d_G, d_G)}
-        return {'A_' + whole: (d_A, d_A), 'G_inv': (stop - start, d_G)}
-
-    def inverse_part(self, start, stop):
-        """What rows or columns ``start:stop`` of ``V = G⁻¹ ∇W̄ A⁻¹`` need,
-        so that ranks can share a large block's preconditioning
-        (distributed K-FAC, see :mod:`chainerkfac.distributed.assignment`).
-
-        Columns ``J`` of ``V`` are ``G⁻¹ ∇W̄ A⁻¹[:, J]`` and rows ``I`` are
-        ``G⁻¹[I, :] ∇W̄ A⁻¹``: a slice of one inverse and the other whole.
-        With explicit inverses the longer side is split. In the
-        ``'cholesky'`` :attr:`inverse_form` the shorter one is, and the
-        whole factor is the larger factor's Cholesky factor.
-        """
-        s = dict(self.inverse_state)
-        if self._split_columns():
-            s['A_inv'] = s['A_inv'][:, start:stop]
-        else:
-            s['G_inv'] = s['G_inv'][start:stop]
-        return s
-
-    def preconditioned_part(self, grad, inverses):
-        """The part of ``V`` that ``inverses`` (from :meth:`inverse_part`)
-        select, for the whole gradient ``grad``."""
-        if 'A_chol' in inverses or 'G_chol' in inverses:
-            return linalg.mixed_precondition(grad, **inverses)
-        return linalg.kronecker_precondition(grad, inverses['A_inv'],
-                                             inverses['G_inv'])
-
     def set_gradient(self, grad):
         W = self.link.W
         d = W.size // W.shape[0]
@@ -309,10 +171,14 @@ class KroneckerBlock(base.FisherBlock):
         if self.has_bias:
             self.link.b.grad[...] = grad[:, d]
 
-    def assignment_cost(self):
+    def dims(self):
+        """``(d_A, d_G)``: the sizes of the factors (``d_A`` with the bias
+        coordinate)."""
         W = self.link.W
-        return 'kronecker', (W.size // W.shape[0] + int(self.has_bias),
-                             W.shape[0])
+        return W.size // W.shape[0] + int(self.has_bias), W.shape[0]
+
+    def cost(self):
+        return cost.BlockCost(self.name, 'kronecker', self.dims())
 
     def describe(self):
         W = self.link.W

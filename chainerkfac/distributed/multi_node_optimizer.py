@@ -32,8 +32,8 @@ from chainerkfac import cpu_parallel
 from chainerkfac import linalg
 from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
-from chainerkfac.distributed import cholesky
 from chainerkfac.distributed import consistency
+from chainerkfac.distributed import split as split_module
 from chainerkfac.optimizers import kfac
 
 logger = logging.getLogger(__name__)
@@ -41,29 +41,6 @@ logger = logging.getLogger(__name__)
 
 def _pack(stat):
     return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
-
-
-def _pack_part(key, array):
-    # A lower Cholesky factor travels as its triangle, half the bytes.
-    if key.endswith('_chol'):
-        return linalg.pack_symmetric(array.T)
-    return array.ravel()
-
-
-def _unpack_part(key, flat, shape):
-    if key.endswith('_chol'):
-        xp = backend.get_array_module(flat)
-        # The transpose of the upper triangle is the lower factor in
-        # Fortran order, which LAPACK's solves take without a copy (a
-        # C-ordered one made a part's solves 1.4x slower).
-        return xp.triu(linalg.unpack_symmetric(flat, shape[0])).T
-    return flat.reshape(shape)
-
-
-def _part_size(key, shape):
-    d = shape[0]
-    return d * (d + 1) // 2 if key.endswith('_chol') else int(
-        numpy.prod(shape))
 
 
 class HybridParallelStages(kfac.LocalStages):
@@ -76,14 +53,8 @@ class HybridParallelStages(kfac.LocalStages):
 
     A block is preconditioned by its owner, or, when the assignment splits
     it (``max_load_imbalance``), by several ranks, each computing rows or
-    columns of ``G⁻¹ ∇W̄ A⁻¹`` with what the owner sends them whenever it
-    refreshes the block (and on the first step of a process, which is what
-    resuming from a snapshot needs): a slice of one explicit inverse and the
-    other whole, or, when inverses serve too few steps to pay for the larger
-    factor's explicit inverse, a slice of the smaller inverse and the larger
-    factor's Cholesky factor, which for a large factor the block's ranks
-    compute together from columns the owner sends them
-    (:mod:`chainerkfac.distributed.cholesky`).
+    columns of ``G⁻¹ ∇W̄ A⁻¹`` with what the owner sends them
+    (:mod:`chainerkfac.distributed.split`).
 
     Optimizer hooks run between stages 3 and 4, on the reduced gradients of
     the blocks a rank preconditions: per-parameter hooks (``WeightDecay``,
@@ -112,13 +83,10 @@ class HybridParallelStages(kfac.LocalStages):
         self._needs_broadcast = True
         self._layout = None
         self._shapes = None
-        # Of split blocks: {block: [(start, stop) per part]}, this rank's
-        # part of each and the inverses it received for it.
-        self._bounds = {}
-        self._parts = {}
-        self._part_inverses = {}
+        #: The split blocks (:class:`~chainerkfac.distributed.split.
+        #: SplitBlocks`), from the first step on.
+        self.split = None
         self._part_results = {}
-        self._send_all_inverses = True
 
     # -- set-up -----------------------------------------------------------
 
@@ -168,20 +136,20 @@ class HybridParallelStages(kfac.LocalStages):
         # run's first iteration, which the options alone decide.
         blocks = optimizer.blocks
         split = self.max_load_imbalance is not None
-        costs = [assignment_module.BlockCost(b.name, *b.assignment_cost())
-                 for b in blocks]
+        costs = [b.cost() for b in blocks]
+        for block, cost in zip(blocks, costs):
+            if cost is None:
+                raise ValueError(
+                    '{} ({}) does not define cost(), which distributed K-FAC '
+                    'needs to place it on a rank'.format(
+                        type(block).__name__, block.name))
         fractions = [1 / b.inverse_reuse() for b in blocks]
         self.assignment = assignment_module.assign_blocks(
             costs, self.comm.size, fractions,
             shardable=[split and b.splittable() for b in blocks],
             max_imbalance=self.max_load_imbalance or 1.0)
-        for i in self.assignment.split_blocks:
-            # The parts' shapes follow the form the cost model split by.
-            blocks[i].inverse_form = ('explicit' if costs[i].explicit_form(
-                fractions[i]) else 'cholesky')
-            self._bounds[i] = self.assignment.part_bounds(
-                i, blocks[i].split_length())
-        self._parts = self.assignment.parts_of(self.comm.rank)
+        self.split = split_module.SplitBlocks(self.comm, self.assignment,
+                                              blocks, fractions)
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s, split blocks %s', self.comm.size,
@@ -201,11 +169,12 @@ class HybridParallelStages(kfac.LocalStages):
         """Elements of part ``s`` of block ``i``'s preconditioned
         gradient."""
         size = int(numpy.prod(self._shapes[i]))
-        if i not in self._bounds:
+        if i not in self.split.splits:
             return size
-        start, stop = self._bounds[i][s]
+        bounds = self.split.splits[i].bounds
+        start, stop = bounds[s]
         # The last part ends at the length of the split side.
-        return size // self._bounds[i][-1][1] * (stop - start)
+        return size // bounds[-1][1] * (stop - start)
 
     def reduce(self, optimizer):
         if self.assignment is None:
@@ -243,7 +212,7 @@ class HybridParallelStages(kfac.LocalStages):
 
         stats_of_owned = {}
         offset = 0
-        for i, s in sorted(self._parts.items()):
+        for i, s in sorted(self.split.parts.items()):
             block = blocks[i]
             stats = {}
             for key, shape, size in layout[i, s]:
@@ -294,160 +263,40 @@ class HybridParallelStages(kfac.LocalStages):
         mine = set(self.assignment.blocks_of(self.comm.rank))
         return [b for i, b in enumerate(blocks) if i in mine]
 
-    def _inverse_deliveries(self, rank):
-        """``(block, part)`` of the non-empty parts of split blocks that
-        ``rank`` computes for another owner, in block order."""
-        return [(i, s) for i in self.assignment.split_blocks
-                for s, holder in enumerate(self.assignment.shards[i])
-                if s > 0 and holder == rank
-                and self._bounds[i][s][0] < self._bounds[i][s][1]]
-
-    def _factor_ranks(self, i):
-        """The ranks that factor split block ``i``'s larger factor
-        together in the ``'cholesky'`` form: its owner, then the ranks of
-        its non-empty other parts."""
-        shards, bounds = self.assignment.shards[i], self._bounds[i]
-        return (shards[0],) + tuple(
-            rank for rank, (start, stop) in zip(shards[1:], bounds[1:])
-            if start < stop)
-
-    def _payload(self, block, i, s, dest, fresh):
-        """What the owner sends rank ``dest`` for part ``s`` of block
-        ``i``: ``(flag, {key: array})``.
-
-        Flag 0: nothing new. 1: the part's inverses
-        (:meth:`KroneckerBlock.inverse_part
-        <chainerkfac.curvature.kronecker.KroneckerBlock.inverse_part>`),
-        after a refresh (``fresh`` holds the ids of the blocks refreshed
-        this step) or on a process's first step. 2: a refresh in the
-        ``'cholesky'`` form: the slice of the smaller inverse and
-        ``dest``'s panels of the larger damped factor, which the block's
-        ranks then factor together.
-        """
-        if block.shared_factor() is not None:
-            f, M = block.shared_factor()
-            inverses = block.inverse_part(*self._bounds[i][s])
-            del inverses[f + '_damped']
-            for p, panel in cholesky.lower_panels(
-                    M, self._factor_ranks(i), dest).items():
-                inverses['panel{}'.format(p)] = panel
-            return 2, inverses
-        if block.ready() and (self._send_all_inverses or id(block) in fresh):
-            return 1, block.inverse_part(*self._bounds[i][s])
-        return 0, {}
-
-    def _cholesky_key(self, block, i, s):
-        """``(key, d)``: the Cholesky factor that part ``s`` of block ``i``
-        needs in the ``'cholesky'`` form, and its size."""
-        shapes = block.inverse_part_shapes(*self._bounds[i][s])
-        key, = [key for key in shapes if key.endswith('_chol')]
-        return key, shapes[key][0]
-
-    def _payload_shapes(self, block, i, s, flag):
-        shapes = block.inverse_part_shapes(*self._bounds[i][s])
-        if flag == 2:
-            chol, dim = self._cholesky_key(block, i, s)
-            del shapes[chol]
-            for p, shape in cholesky.panel_shapes(
-                    dim, self._factor_ranks(i), self.comm.rank).items():
-                shapes['panel{}'.format(p)] = shape
-        return shapes
-
     def share_inverses(self, optimizer, refreshed):
-        """Owners of split blocks send each other rank of the block what
-        its part needs, after one flag per part saying what follows (see
-        :meth:`_payload`); a Cholesky factor travels as its lower triangle.
-        Then the ranks of each block whose refresh left its larger damped
-        factor to them (:meth:`KroneckerBlock.shared_factor
-        <chainerkfac.curvature.kronecker.KroneckerBlock.shared_factor>`)
-        factor it together, block by block
-        (:func:`chainerkfac.distributed.cholesky.shared_cholesky`)."""
-        if not self.assignment.split_blocks:
-            return
-        blocks = optimizer.blocks
-        fresh = {id(block) for block in refreshed}
-        rank, owners = self.comm.rank, self.assignment.owners
-        xp = backend.get_array_module(blocks[0].params()[0].array)
-        dtype = blocks[0].params()[0].dtype
-        parts, counts = [], [0] * self.comm.size
-        for dest in range(self.comm.size):
-            for i, s in self._inverse_deliveries(dest):
-                if owners[i] != rank:
-                    continue
-                flag, inverses = self._payload(blocks[i], i, s, dest, fresh)
-                packed = [xp.asarray([flag], dtype=dtype)] + [
-                    _pack_part(k, inverses[k]) for k in sorted(inverses)]
-                parts += packed
-                counts[dest] += sum(a.size for a in packed)
-        send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
-        received, _ = self.comm.alltoall_v(send_buffer, counts)
-        self._send_all_inverses = False
-        offset, panels = 0, {}
-        for source in range(self.comm.size):
-            for i, s in self._inverse_deliveries(rank):
-                if owners[i] != source:
-                    continue
-                flag = int(received[offset])
-                offset += 1
-                if not flag:
-                    continue
-                shapes = self._payload_shapes(blocks[i], i, s, flag)
-                inverses = {}
-                for key in sorted(shapes):
-                    size = _part_size(key, shapes[key])
-                    inverses[key] = _unpack_part(
-                        key, received[offset:offset + size], shapes[key])
-                    offset += size
-                if flag == 2:
-                    panels[i] = {int(key[5:]): inverses.pop(key)
-                                 for key in list(inverses)
-                                 if key.startswith('panel')}
-                self._part_inverses[i] = inverses
-        for i in self.assignment.split_blocks:
-            block = blocks[i]
-            ranks = self._factor_ranks(i)
-            if owners[i] == rank and block.shared_factor() is not None:
-                _, M = block.shared_factor()
-                block.set_shared_cholesky(cholesky.shared_cholesky(
-                    self.comm, ranks, len(M),
-                    cholesky.lower_panels(M, ranks, rank), M,
-                    block.cholesky_alone))
-            elif i in panels:
-                chol, dim = self._cholesky_key(block, i, self._parts[i])
-                self._part_inverses[i][chol] = cholesky.shared_cholesky(
-                    self.comm, ranks, dim, panels[i], received, None)
+        """The parts of split blocks travel from their owners to the other
+        ranks of each block (:meth:`SplitBlocks.share
+        <chainerkfac.distributed.split.SplitBlocks.share>`)."""
+        self.split.share(optimizer.blocks, refreshed)
 
     def precondition(self, optimizer, weight_decay):
         blocks = optimizer.blocks
-        mine = sorted(self._parts)
+        parts = self.split.parts
+        mine = sorted(parts)
         index = {id(block): i for i, block in enumerate(blocks)}
 
         def compute(block):
             """``(this rank's part of V or None, its term of Σ⟨V, ∇⟩)``."""
             i = index[id(block)]
-            if i not in self._bounds:
+            split = self.split.splits.get(i)
+            if split is None:
                 return None, block.precondition(weight_decay)
-            start, stop = self._bounds[i][self._parts[i]]
-            if start == stop:
+            s = parts[i]
+            if split.empty(s):
                 return None, 0  # an owner busy enough with the inverses
-            if self._parts[i] == 0:
-                inverses = (block.inverse_part(start, stop)
-                            if block.ready() else None)
-            else:
-                inverses = self._part_inverses.get(i)
-            if inverses is None:
+            form = self.split.part_form(block, i)
+            if form is None:
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
-                part = block.part_of(block.gradient(), start, stop)
+                part = split.part_of(block.gradient(), s)
                 return part, update_norm.inner(part, part)
             grad = block.gradient(weight_decay)
-            part = block.preconditioned_part(grad, inverses)
-            return part, update_norm.inner(
-                part, block.part_of(grad, start, stop))
+            part = form.apply(grad)
+            return part, update_norm.inner(part, split.part_of(grad, s))
 
         def flops(block):
             i = index[id(block)]
-            weight = self.assignment.weights[i][self._parts[i]]
+            weight = self.assignment.weights[i][parts[i]]
             return weight * block.cost().precondition_cost
 
         results = cpu_parallel.map_blocks(
@@ -479,9 +328,10 @@ class HybridParallelStages(kfac.LocalStages):
         n_terms = len(terms)
         places, groups, slots = self._gather_layout(refreshed, n_terms)
         parts = []
-        for i, s in sorted(self._parts.items()):
+        splits = self.split.splits
+        for i, s in sorted(self.split.parts.items()):
             block = blocks[i]
-            if i in self._bounds:
+            if i in splits:
                 piece = self._part_results.get(i)
             else:
                 piece = block.gradient()
@@ -510,7 +360,7 @@ class HybridParallelStages(kfac.LocalStages):
         totals = tuple(float(v) for v in rows[:, :-1].sum(axis=0))
         step = optimizer.t
         assembled = {i: xp.empty(self._shapes[i], dtype=dtype)
-                     for i in self._bounds}
+                     for i in splits}
         # Without a transport_dtype an owner's gradients come back as it
         # sent them: only a rounding transport makes it take the copy.
         rounded = self.comm.get_config('transport_dtype') is not None
@@ -518,7 +368,7 @@ class HybridParallelStages(kfac.LocalStages):
             n_grad = self._part_size(i, s)
             piece = everything[offset:offset + n_grad]
             if i in assembled:
-                target = blocks[i].part_of(assembled[i], *self._bounds[i][s])
+                target = splits[i].part_of(assembled[i], s)
                 target[...] = piece.reshape(target.shape)
             elif rounded or self.assignment.owners[i] != self.comm.rank:
                 blocks[i].set_gradient(piece.reshape(self._shapes[i]))

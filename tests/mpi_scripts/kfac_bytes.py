@@ -120,9 +120,9 @@ def main_split():
                              rng.randint(0, 3, 6).astype('i'))
         stages = optimizer._stages
         assignment = stages.assignment
-        forms = [optimizer.blocks[i].inverse_form
-                 for i in assignment.split_blocks]
-        assert forms == ['explicit', 'cholesky'], (forms, assignment)
+        splits = stages.split.splits
+        forms = [splits[i].explicit for i in assignment.split_blocks]
+        assert forms == [True, False], (forms, assignment)
         refresh = step in (1, 4)
         scattered = sent = broadcast = 0
         # Each rank's terms of the guard's sums and its options digest.
@@ -132,18 +132,20 @@ def main_split():
             broadcast += sum(p.size for p in model.params())
         for i, block in enumerate(optimizer.blocks):
             grad = block.gradient().size
-            d_a, d_g = block.assignment_cost()[1]
-            bounds = stages._bounds.get(i, [(0, 1)])
+            d_a, d_g = block.dims()
+            layout = splits.get(i)
+            bounds = [(0, 1)] if layout is None else layout.bounds
             scattered += grad * sum(stop > start for start, stop in bounds)
             gathered += grad
             if refresh:
                 scattered += d_a * (d_a + 1) // 2 + d_g * (d_g + 1) // 2
                 gathered += 2
-            shared = refresh and block.inverse_form == 'cholesky' and max(
-                d_a, d_g) >= cost.SHARED_FACTORIZATION_MIN_DIM
+            shared = refresh and layout is not None and \
+                not layout.explicit and max(
+                    d_a, d_g) >= cost.SHARED_FACTORIZATION_MIN_DIM
             if shared:
                 # The ranks factoring the larger damped factor together.
-                ranks = stages._factor_ranks(i)
+                ranks = layout.factor_ranks()
                 dim = max(d_a, d_g)
 
                 def panels(rank):
@@ -155,15 +157,13 @@ def main_split():
                     broadcast += panels(comm.rank) * (len(ranks) - 1)
             if assignment.owners[i] != comm.rank:
                 continue
-            for rank, (start, stop) in zip(assignment.shards[i][1:],
-                                           bounds[1:]):
-                if stop == start:
+            for s, rank in enumerate(assignment.shards[i]):
+                if s == 0 or layout.empty(s):
                     continue
                 sent += 1
                 if not refresh:
                     continue
-                for key, shape in block.inverse_part_shapes(
-                        start, stop).items():
+                for key, shape in layout.part_shapes(s).items():
                     if not key.endswith('_chol'):
                         sent += int(numpy.prod(shape))
                     elif shared:  # the part's panels instead

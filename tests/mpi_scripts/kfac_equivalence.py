@@ -152,9 +152,16 @@ def main():
         numpy.savez(args.out, **params)
         if not args.single:
             stages = optimizer._stages
+            splits = stages.split.splits
+
+            def layout(i):
+                if i not in splits:
+                    return [None, None]
+                return [splits[i].bounds,
+                        'explicit' if splits[i].explicit else 'cholesky']
+
             print('parts: ' + json.dumps({
-                block.name: [stages.assignment.shards[i],
-                             stages._bounds.get(i), block.inverse_form]
+                block.name: [stages.assignment.shards[i]] + layout(i)
                 for i, block in enumerate(optimizer.blocks)}), flush=True)
 
 

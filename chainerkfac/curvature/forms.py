@@ -1,0 +1,293 @@
+"""Inverse forms: how a block's damped curvature is inverted and applied.
+
+A block holds one form at a time, built from its factors when an inverse is
+due and applied to every gradient until the next (kfac-jax's
+statistics → cache → multiply; kfac-pytorch's inverse "methods")::
+
+    form = Kind.refreshed(factors, damping)     the cache, once per refresh
+    V    = form.apply(∇)                        the multiply, every step
+
+The damping formulas are :mod:`chainerkfac.linalg`'s; a form only says
+which one it applies. Kronecker blocks ``A ⊗ G`` (Martens & Grosse 2015
+§6.3; Osawa et al. 2019 §3.1-3.2):
+
+* :class:`KroneckerInverses`: ``A_d⁻¹``, ``G_d⁻¹`` (factored Tikhonov
+  damping with π; ``V`` by two products);
+* :class:`KroneckerCholesky`: the Cholesky factors of ``A_d`` and ``G_d``
+  (triangular solves, for inverses that serve few steps;
+  :func:`~chainerkfac.linalg.explicit_inverse_pays` chooses, in
+  :func:`tikhonov_kind`);
+* :class:`KroneckerMixed`: the smaller factor's inverse and the larger
+  one's Cholesky factor (how ranks share a split block's preconditioning,
+  :mod:`chainerkfac.distributed.split`);
+* :class:`KroneckerEigen`: eigenbases with exact damping ``λ_G λ_Aᵀ + ε``
+  (KAISA).
+
+Single matrices (BatchNorm blocks, Osawa et al. §5.4): :class:`Diagonal`
+(element-wise), :class:`DenseInverse`, :class:`DenseEigen`.
+
+Each form's arrays are stored in snapshots under its :attr:`~Form.keys`;
+:func:`restore` rebuilds a form from the arrays a snapshot holds.
+"""
+from chainerkfac import linalg
+
+
+class Form:
+    """A damped inverse, ready to apply.
+
+    Attributes:
+        arrays (dict): The arrays :meth:`apply` needs, by :attr:`keys`.
+        damping (float): The damping it was built with.
+    """
+
+    #: Names of the arrays (``'inverse_' + key`` in a snapshot).
+    keys = ()
+
+    def __init__(self, arrays, damping):
+        self.arrays = arrays
+        self.damping = damping
+
+    @classmethod
+    def matches(cls, keys):
+        """Whether a snapshot holding arrays ``keys`` stored this form."""
+        return set(keys) == set(cls.keys)
+
+    def apply(self, grad):
+        """``V = (F̂ + damping)⁻¹ grad``."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+# -- Kronecker blocks: two factors (A, G), the gradient a (d_G, d_A) matrix --
+
+def _factored(A, G, damping, make):
+    """``make(A, π √ε), make(G, √ε / π)``: factored Tikhonov damping."""
+    damping_A, damping_G = linalg.factored_damping(A, G, damping)
+    return make(A, damping_A), make(G, damping_G)
+
+
+class KroneckerInverses(Form):
+    """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` from explicit inverses."""
+
+    keys = ('A_inv', 'G_inv')
+
+    @classmethod
+    def refreshed(cls, A, G, damping):
+        A_inv, G_inv = _factored(A, G, damping, linalg.damped_inverse)
+        return cls({'A_inv': A_inv, 'G_inv': G_inv}, damping)
+
+    def apply(self, grad):
+        return linalg.kronecker_precondition(grad, self.arrays['A_inv'],
+                                             self.arrays['G_inv'])
+
+
+class KroneckerCholesky(Form):
+    """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` by triangular solves with the Cholesky
+    factors of ``A_d`` and ``G_d``."""
+
+    keys = ('A_chol', 'G_chol')
+
+    @classmethod
+    def refreshed(cls, A, G, damping):
+        A_chol, G_chol = _factored(A, G, damping, linalg.damped_cholesky)
+        return cls({'A_chol': A_chol, 'G_chol': G_chol}, damping)
+
+    def apply(self, grad):
+        return linalg.cholesky_precondition(grad, self.arrays['A_chol'],
+                                            self.arrays['G_chol'])
+
+
+class KroneckerMixed(Form):
+    """One factor's explicit inverse and the other's Cholesky factor
+    (:func:`~chainerkfac.linalg.mixed_precondition`): rows or columns of
+    ``V`` from rows or columns of the inverse alone.
+
+    ``cholesky`` names the factor (``'A'`` or ``'G'``) kept as a Cholesky
+    factor.
+    """
+
+    keys = ('A_inv', 'G_inv', 'A_chol', 'G_chol')
+
+    def __init__(self, arrays, damping):
+        super().__init__(arrays, damping)
+        self.cholesky = 'A' if 'A_chol' in arrays else 'G'
+        self.inverted = 'G' if self.cholesky == 'A' else 'A'
+
+    @classmethod
+    def matches(cls, keys):
+        return set(keys) in ({'A_inv', 'G_chol'}, {'A_chol', 'G_inv'})
+
+    @classmethod
+    def refreshed(cls, A, G, damping, cholesky, factorize=True):
+        """With ``factorize=False`` the ``cholesky`` factor is left damped
+        (``M + damping I``, under the key ``cholesky + '_chol'``) for
+        whoever computes its Cholesky factor (:meth:`with_cholesky`)."""
+        damped = dict(zip('AG', linalg.factored_damping(A, G, damping)))
+        factors = {'A': A, 'G': G}
+        other = 'G' if cholesky == 'A' else 'A'
+        build = linalg.damped_cholesky if factorize else linalg.damped_factor
+        return cls({cholesky + '_chol': build(factors[cholesky],
+                                              damped[cholesky]),
+                    other + '_inv': linalg.damped_inverse(factors[other],
+                                                          damped[other])},
+                   damping)
+
+    def with_cholesky(self, L):
+        """The form with ``L`` as the Cholesky factor."""
+        arrays = dict(self.arrays)
+        arrays[self.cholesky + '_chol'] = L
+        return KroneckerMixed(arrays, self.damping)
+
+    def apply(self, grad):
+        return linalg.mixed_precondition(grad, **self.arrays)
+
+
+class KroneckerEigen(Form):
+    """``V = Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + ε)] Q_Aᵀ``: damping added
+    exactly, to the eigenvalues of ``A ⊗ G``."""
+
+    keys = ('A_eigvals', 'A_eigvecs', 'G_eigvals', 'G_eigvecs')
+
+    @classmethod
+    def refreshed(cls, A, G, damping):
+        w_A, Q_A = linalg.symmetric_eigh(A)
+        w_G, Q_G = linalg.symmetric_eigh(G)
+        return cls({'A_eigvals': w_A, 'A_eigvecs': Q_A,
+                    'G_eigvals': w_G, 'G_eigvecs': Q_G}, damping)
+
+    def apply(self, grad):
+        s = self.arrays
+        return linalg.eigen_precondition(
+            grad, (s['A_eigvals'], s['A_eigvecs']),
+            (s['G_eigvals'], s['G_eigvecs']), self.damping)
+
+
+def tikhonov_kind(dim_A, dim_G, reuse):
+    """The factored-Tikhonov form of a Kronecker block whose inverse serves
+    ``reuse`` steps: explicit inverses where they pay
+    (:func:`~chainerkfac.linalg.explicit_inverse_pays`), else Cholesky
+    factors."""
+    if linalg.explicit_inverse_pays(dim_A, dim_G, reuse):
+        return KroneckerInverses
+    return KroneckerCholesky
+
+
+# -- single matrices: a BatchNorm block's (γ, β) ----------------------------
+
+class Diagonal(Form):
+    """``V = g / (f + ε)`` for a diagonal Fisher ``f``."""
+
+    keys = ('diag_inv',)
+
+    @classmethod
+    def refreshed(cls, F, damping):
+        return cls({'diag_inv': linalg.diagonal_inverse(F, damping)}, damping)
+
+    def apply(self, grad):
+        return grad * self.arrays['diag_inv']
+
+
+class DenseInverse(Form):
+    """``V = (F + ε I)⁻¹ g``."""
+
+    keys = ('inv',)
+
+    @classmethod
+    def refreshed(cls, F, damping):
+        return cls({'inv': linalg.damped_inverse(F, damping)}, damping)
+
+    def apply(self, grad):
+        return self.arrays['inv'] @ grad
+
+
+class DenseEigen(Form):
+    """``V = Q diag(1 / (λ + ε)) Qᵀ g``."""
+
+    keys = ('eigvals', 'eigvecs')
+
+    @classmethod
+    def refreshed(cls, F, damping):
+        w, Q = linalg.symmetric_eigh(F)
+        return cls({'eigvals': w, 'eigvecs': Q}, damping)
+
+    def apply(self, grad):
+        return linalg.eigen_precondition_single(
+            grad, (self.arrays['eigvals'], self.arrays['eigvecs']),
+            self.damping)
+
+
+class Family:
+    """The forms the options give a kind of block.
+
+    Attributes:
+        kinds (tuple): The :class:`Form` classes it may hold (what a
+            snapshot may hold).
+        build: ``build(factors, damping, reuse)``, the form a refresh
+            makes of the factors (a tuple, in the block's factor order)
+            for an inverse expected to serve ``reuse`` steps.
+        damping: ``damping(hyperparam)``, the damping the block's forms
+            are built with (a policy of :mod:`chainerkfac.linalg`).
+    """
+
+    def __init__(self, kinds, build, damping):
+        self.kinds = kinds
+        self.build = build
+        self.damping = damping
+
+
+def _tikhonov(factors, damping, reuse):
+    A, G = factors
+    return tikhonov_kind(len(A), len(G), reuse).refreshed(A, G, damping)
+
+
+def _single(kind):
+    def build(factors, damping, reuse):
+        return kind.refreshed(*factors, damping)
+    return build
+
+
+#: Kronecker blocks, by the ``inverse`` option of
+#: :class:`~chainerkfac.optimizers.KFAC`.
+KRONECKER = {
+    'cholesky': Family((KroneckerInverses, KroneckerCholesky, KroneckerMixed),
+                       _tikhonov, linalg.layer_damping),
+    'eigen': Family((KroneckerEigen,), _single(KroneckerEigen),
+                    linalg.layer_damping),
+}
+
+
+def _batch_norm(kind):
+    return Family((kind,), _single(kind), linalg.batch_norm_damping)
+
+
+#: BatchNorm blocks, by the ``(bn_fisher, inverse)`` options.
+BATCH_NORM = {
+    ('diagonal', 'cholesky'): _batch_norm(Diagonal),
+    ('diagonal', 'eigen'): _batch_norm(Diagonal),
+    ('full', 'cholesky'): _batch_norm(DenseInverse),
+    ('full', 'eigen'): _batch_norm(DenseEigen),
+}
+
+
+def snapshot_keys(kinds):
+    """The arrays a block whose form is one of ``kinds`` stores (each with
+    a flag saying whether it is present), in a fixed order."""
+    keys = []
+    for kind in kinds:
+        keys += [key for key in kind.keys if key not in keys]
+    return tuple(keys)
+
+
+def restore(kinds, arrays, damping):
+    """The form of ``kinds`` that stored ``arrays`` (``None`` if empty)."""
+    if not arrays:
+        return None
+    for kind in kinds:
+        if kind.matches(arrays):
+            return kind(dict(arrays), damping)
+    raise ValueError('snapshot holds inverse arrays {} that no form of {} '
+                     'stores'.format(sorted(arrays),
+                                     [k.__name__ for k in kinds]))
