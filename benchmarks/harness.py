@@ -278,7 +278,8 @@ def instrument():
             if name in cls.__dict__:
                 _wrap(cls, name, stage)
     _wrap(kfac.KFAC, '_check_finite_gradients', 'finite_check')
-    _wrap(kfac.LocalStages, 'precondition', 'precondition')
+    from chainerkfac.optimizers import stages
+    _wrap(stages.LocalStages, 'precondition', 'precondition')
     try:
         from chainerkfac.distributed import multi_node_optimizer
         _wrap(multi_node_optimizer.HybridParallelStages, 'precondition',

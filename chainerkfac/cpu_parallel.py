@@ -84,3 +84,13 @@ def map_blocks(function, blocks, flops):
                 results.update(zip(small, _pool(workers).map(
                     lambda i: function(blocks[i]), small)))
     return [results[i] for i in range(len(blocks))]
+
+
+def block_work(cost_name):
+    """``block -> flops`` of one stage (``'inverse_cost'``,
+    ``'precondition_cost'``), from the block's cost model (0 for a custom
+    block without one), for :func:`map_blocks`."""
+    def flops(block):
+        cost = block.cost()
+        return 0 if cost is None else getattr(cost, cost_name)
+    return flops

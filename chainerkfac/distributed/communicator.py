@@ -34,6 +34,7 @@ package's ``__init__``, as ChainerMN keeps its factory) imports the
 implementation it is asked for, so ``import chainerkfac.distributed`` works
 on a machine with neither.
 """
+import abc
 
 import numpy
 
@@ -114,19 +115,15 @@ def _per_element(like, scales, starts, total, offset, size):
     return chosen[_group_index(xp, lengths)]
 
 
-class KfacCommunicatorMixin:
+class KfacCommunicatorMixin(abc.ABC):
     """The collectives K-FAC adds to a ChainerMN communicator.
 
     Mixed in before a ChainerMN communicator class; the subclass calls
-    :meth:`_init_kfac` in its constructor and supplies the transport:
-    ``_reduce_scatter_v(sendbuf, counts)``, ``_all_gather_v(sendbuf,
-    counts)``, ``_alltoall_v(sendbuf, send_counts, recv_counts)``,
-    ``_allreduce_sum(array)`` (in place), ``_bcast(array, root)``
-    (in place), ``_group_bcast(array, root, others)`` (in place, point to
-    point; returns a function that waits for it), ``_allreduce_max(values)``
-    (element-wise over ranks, a float64 NumPy array in and out) and the
-    wire item sizes of ``multi_node_mean_grad``
-    and ``bcast_data``.
+    :meth:`_init_kfac` in its constructor and supplies the transport, the
+    abstract methods below (a class that misses one cannot be
+    instantiated): point-to-group primitives on flat arrays, which the
+    public collectives wrap with the checks, the ``transport_dtype``
+    narrowing and the byte counts.
 
     Arrays are flat and of any array module (``chainer.backend
     .get_array_module``); results come back in the module and dtype of the
@@ -141,6 +138,49 @@ class KfacCommunicatorMixin:
     collectives (``bcast_obj``, ...) and ChainerMN's experimental array
     primitives (``allreduce``, ``bcast``, ...) are not counted.
     """
+
+    # The transport an implementation supplies.
+
+    @abc.abstractmethod
+    def _reduce_scatter_v(self, sendbuf, counts):
+        """Sums ``sendbuf`` over ranks; returns this rank's segment
+        (``counts[rank]`` elements)."""
+
+    @abc.abstractmethod
+    def _all_gather_v(self, sendbuf, counts):
+        """Concatenates every rank's ``sendbuf`` (``counts[r]`` elements
+        from rank ``r``) in rank order."""
+
+    @abc.abstractmethod
+    def _alltoall_v(self, sendbuf, send_counts, recv_counts):
+        """Sends ``send_counts[r]`` elements to rank ``r``; returns what
+        every rank sent this one, in rank order."""
+
+    @abc.abstractmethod
+    def _allreduce_sum(self, array):
+        """Sums ``array`` over ranks, in place."""
+
+    @abc.abstractmethod
+    def _bcast(self, array, root):
+        """Broadcasts ``array`` from ``root``, in place."""
+
+    @abc.abstractmethod
+    def _group_bcast(self, array, root, others):
+        """Sends ``array`` from ``root`` to the ranks ``others``, point to
+        point and in place; returns a function that waits for it."""
+
+    @abc.abstractmethod
+    def _allreduce_max(self, values):
+        """The element-wise maximum over ranks of ``values``, a float64
+        NumPy array in and out."""
+
+    @abc.abstractmethod
+    def _grad_wire_itemsize(self, grad):
+        """Bytes per element ``multi_node_mean_grad`` sends for ``grad``."""
+
+    @abc.abstractmethod
+    def _data_wire_itemsize(self, data):
+        """Bytes per element ``bcast_data`` sends for ``data``."""
 
     def _init_kfac(self, transport_dtype):
         self._bytes_moved = dict.fromkeys(COLLECTIVES, 0)

@@ -34,7 +34,7 @@ from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import consistency
 from chainerkfac.distributed import split as split_module
-from chainerkfac.optimizers import kfac
+from chainerkfac.optimizers import stages
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _pack(stat):
     return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
 
 
-class HybridParallelStages(kfac.LocalStages):
+class HybridParallelStages(stages.Stages):
     """The stages of :class:`~chainerkfac.optimizers.KFAC` under MPI.
 
     Every rank collects statistics for every block; each block is refreshed
@@ -117,16 +117,13 @@ class HybridParallelStages(kfac.LocalStages):
     def prepare(self, optimizer):
         if self._needs_broadcast:
             self._broadcast_parameters(optimizer)
-        # Chainer keeps hooks in a private registry; reading it is the only
-        # way to reject a whole-model hook before it sees partial gradients.
-        pre_hooks = optimizer._hookable._pre_update_hooks
-        for name, hook in pre_hooks.items():
-            if not getattr(hook, 'call_for_each_param', False):
-                raise ValueError(
-                    'optimizer hook {!r} needs every gradient at once, which '
-                    'distributed K-FAC does not gather before '
-                    'preconditioning; use per-parameter hooks such as '
-                    'WeightDecay or Lasso'.format(name))
+        hooks = optimizer.whole_model_hooks()
+        if hooks:
+            raise ValueError(
+                'optimizer hook {!r} needs every gradient at once, which '
+                'distributed K-FAC does not gather before preconditioning; '
+                'use per-parameter hooks such as WeightDecay or '
+                'Lasso'.format(hooks[0]))
 
     # -- stage 3 ------------------------------------------------------------
 
@@ -192,7 +189,7 @@ class HybridParallelStages(kfac.LocalStages):
             if self._part_size(i, s):
                 entries.append(('grad', grads[i].shape, grads[i].ravel()))
             if s == 0:
-                stats = block.take_statistics(block.params()[0]._loss_scale)
+                stats = block.take_statistics(optimizer.loss_scale)
                 entries += [(f, stats[f].shape, _pack(stats[f]))
                             for f in block.factors if f in stats]
             layout[i, s] = [(key, shape, flat.size)

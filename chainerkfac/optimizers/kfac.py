@@ -14,8 +14,6 @@ follow plain momentum SGD.
 """
 import itertools
 import logging
-import numbers
-import sys
 
 import chainer
 import chainer.links as L
@@ -27,10 +25,11 @@ import numpy
 from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
-from chainerkfac import schedules
 from chainerkfac import update_norm
 from chainerkfac.curvature import base
 from chainerkfac.curvature import registry
+from chainerkfac.optimizers import options
+from chainerkfac.optimizers import stages as stages_module
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +42,6 @@ _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
 _default_hyperparam.kl_clip = 1e-4
 
-_INVERSES = ('cholesky', 'eigen')
-_BN_FISHERS = ('diagonal', 'full')
-_NONFINITE = ('raise', 'skip')
-_DIVERGENCE = ('warn', 'raise')
-
 
 class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
     """``v <- momentum v - lr ∇;  w <- w + v`` on the preconditioned gradient.
@@ -55,151 +49,6 @@ class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
     The arithmetic is MomentumSGD's, operation for operation, so that a link
     without curvature is updated exactly as MomentumSGD would update it.
     """
-
-
-class LocalStages:
-    """The stages of one K-FAC step in a single process: nothing moves.
-
-    :class:`chainerkfac.distributed.HybridParallelStages` replaces it under
-    MPI (paper §3.3); the optimizer's step is the same code in both cases.
-    """
-
-    def __init__(self):
-        self._checked_mpi = False
-
-    def setup(self, optimizer):
-        """Called at the end of :meth:`KFAC.setup`."""
-
-    def prepare(self, optimizer):
-        """Called at the start of every :meth:`KFAC.update`; at the first,
-        refuses to run in one of several MPI processes (see
-        :func:`_refuse_under_mpi`)."""
-        if not self._checked_mpi:
-            self._checked_mpi = True
-            _refuse_under_mpi()
-
-    def reduce(self, optimizer):
-        """Gradients and statistics after backward, before the hooks.
-
-        Returns ``{block: {factor: batch mean}}`` for the blocks this
-        process preconditions.
-        """
-        stats = {}
-        for block in optimizer.blocks:
-            if block.has_pending_statistics():
-                stats[block] = block.take_statistics(
-                    block.params()[0]._loss_scale)
-        return stats
-
-    def agree(self, ok):
-        """Whether every process can take the step (``ok`` is local)."""
-        return ok
-
-    def rank_and_size(self):
-        """``(rank, number of processes)`` of this process."""
-        return 0, 1
-
-    def owned(self, blocks):
-        """The blocks this process refreshes and preconditions."""
-        return blocks
-
-    def share_inverses(self, optimizer, refreshed):
-        """Called after the due inverses were refreshed (``refreshed`` are
-        the blocks whose inverse this process recomputed), before
-        preconditioning."""
-
-    def precondition(self, optimizer, weight_decay):
-        """Replaces the gradients of the blocks this process preconditions
-        by ``V = F̂⁻¹ ∇``; returns this process's part of ``Σ_b ⟨V_b, ∇_b⟩``
-        (:mod:`chainerkfac.update_norm`)."""
-        return sum(cpu_parallel.map_blocks(
-            lambda block: block.precondition(weight_decay),
-            self.owned(optimizer.blocks), _work('precondition_cost')))
-
-    def gather(self, optimizer, terms):
-        """Shares preconditioned gradients and the refresh schedules of the
-        factors this process refreshed. ``terms`` is this process's part of
-        the update-norm guard's sums,
-        ``(Σ_b ⟨V_b, ∇_b⟩, samples in its batch)``; returns their sums over
-        every process, the same numbers on each."""
-        return terms
-
-
-#: Hyperparameter -> (whether a number is in range, the rule in words).
-_HYPERPARAMETER_RULES = {
-    'lr': (lambda v: v >= 0, 'a real number >= 0'),
-    'momentum': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
-    'damping': (lambda v: v > 0, 'a real number > 0'),
-    'cov_ema_decay': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
-    'weight_decay': (lambda v: v >= 0, 'a real number >= 0'),
-    'bn_damping_multiplier': (lambda v: v > 0, 'a real number > 0'),
-    'kl_clip': (lambda v: v > 0, 'a real number > 0, or None'),
-}
-
-
-def _refuse_under_mpi():
-    """Raises ``RuntimeError`` when this process is one of several MPI
-    processes (mpi4py already initialised, ``COMM_WORLD`` larger than 1).
-
-    K-FAC that was not made distributed by
-    :func:`chainerkfac.create_multi_node_optimizer` preconditions with the
-    curvature of its own process's batch. Under ChainerMN's
-    ``chainermn.create_multi_node_optimizer`` the gradients are averaged,
-    the curvature is not, and the replicas drift apart without a word.
-    """
-    mpi = sys.modules.get('mpi4py.MPI')
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return
-    size = mpi.COMM_WORLD.Get_size()
-    if size > 1:
-        raise RuntimeError(
-            'KFAC runs in one of {} MPI processes without '
-            'chainerkfac.create_multi_node_optimizer: every process would '
-            'precondition with the curvature of its own batch and the '
-            'replicas would drift apart. Use '
-            'chainerkfac.create_multi_node_optimizer(optimizer, communicator)'
-            ' (a chainermn.create_communicator communicator works too) '
-            'instead of chainermn.create_multi_node_optimizer'.format(size))
-
-
-def _check_hyperparameters(hp, when='construction'):
-    """Raises ``ValueError`` naming the first hyperparameter that is not a
-    real number in its range (``kl_clip`` may be None: the guard is off).
-
-    Run at construction and at the start of every update, since extensions
-    (``ExponentialShift``, ``LinearShift``) and users set them at run time.
-    """
-    for name, (in_range, rule) in _HYPERPARAMETER_RULES.items():
-        value = getattr(hp, name)
-        if name == 'kl_clip' and value is None:
-            continue
-        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                or not in_range(value)):
-            raise ValueError('KFAC {} must be {}, got {!r} (at {})'.format(
-                name, rule, value, when))
-
-
-def _choice(value, choices, what):
-    if value not in choices:
-        raise ValueError('KFAC {} must be one of {}, got {!r}'
-                         .format(what, ', '.join(map(repr, choices)), value))
-    return value
-
-
-def _positive_int(value, what):
-    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-            or value < 1):
-        raise ValueError('KFAC {} must be an int >= 1, got {!r}'
-                         .format(what, value))
-    return value
-
-
-def _work(cost_name):
-    """``block -> flops`` of one stage, from the block's cost model."""
-    def flops(block):
-        cost = block.cost()
-        return 0 if cost is None else getattr(cost, cost_name)
-    return flops
 
 
 class KFAC(optimizer.GradientMethod):
@@ -306,46 +155,32 @@ class KFAC(optimizer.GradientMethod):
         hp.weight_decay = weight_decay
         hp.bn_damping_multiplier = bn_damping_multiplier
         hp.kl_clip = kl_clip
-        _check_hyperparameters(hp)
-        self.inverse = _choice(inverse, _INVERSES, 'inverse')
-        self.bn_fisher = _choice(bn_fisher, _BN_FISHERS, 'bn_fisher')
-        self.nonfinite = _choice(nonfinite, _NONFINITE, 'nonfinite')
-        self.divergence = _choice(divergence, _DIVERGENCE, 'divergence')
+        options.check_hyperparameters(hp)
+        self.inverse = options.choice(inverse, options.INVERSES, 'inverse')
+        self.bn_fisher = options.choice(bn_fisher, options.BN_FISHERS,
+                                        'bn_fisher')
+        self.nonfinite = options.choice(nonfinite, options.NONFINITE,
+                                        'nonfinite')
+        self.divergence = options.choice(divergence, options.DIVERGENCE,
+                                         'divergence')
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
-        if isinstance(factor_interval, dict):
-            unknown = set(factor_interval) - {'A', 'G'}
-            if unknown or len(factor_interval) != 2:
-                raise ValueError("KFAC factor_interval as a dict needs "
-                                 "exactly the keys 'A' and 'G', got {}"
-                                 .format(sorted(factor_interval)))
-            self.factor_interval = {
-                k: schedules.check_interval(v, 'factor_interval[{!r}]'
-                                            .format(k))
-                for k, v in factor_interval.items()}
-        else:
-            interval = schedules.check_interval(
-                factor_interval, 'factor_interval')
-            self.factor_interval = {'A': interval, 'G': interval}
-        self.inverse_interval = schedules.check_interval(
-            inverse_interval, 'inverse_interval')
-        if isinstance(self.inverse_interval, schedules.Adaptive):
-            raise TypeError('KFAC inverse_interval cannot be Adaptive: '
-                            'change rates are measured on factors')
-        self.acc_iters = _positive_int(acc_iters, 'acc_iters')
-        self.spatial_subsample = _positive_int(spatial_subsample,
-                                               'spatial_subsample')
-        self.batch_subsample = _positive_int(batch_subsample,
-                                             'batch_subsample')
+        self.factor_interval = options.factor_intervals(factor_interval)
+        self.inverse_interval = options.inverse_interval(inverse_interval)
+        self.acc_iters = options.positive_int(acc_iters, 'acc_iters')
+        self.spatial_subsample = options.positive_int(spatial_subsample,
+                                                      'spatial_subsample')
+        self.batch_subsample = options.positive_int(batch_subsample,
+                                                    'batch_subsample')
         self.kl_clip_batch = None if kl_clip_batch is None else \
-            _positive_int(kl_clip_batch, 'kl_clip_batch')
-        self.max_skipped_steps = _positive_int(max_skipped_steps,
-                                               'max_skipped_steps')
+            options.positive_int(kl_clip_batch, 'kl_clip_batch')
+        self.max_skipped_steps = options.positive_int(max_skipped_steps,
+                                                      'max_skipped_steps')
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         self.use_kfac = bool(precondition)
         self.blocks = []
         self._hook = None
-        self._stages = LocalStages()
+        self._stages = stages_module.LocalStages()
 
     lr = optimizer.HyperparameterProxy('lr')
     momentum = optimizer.HyperparameterProxy('momentum')
@@ -358,6 +193,18 @@ class KFAC(optimizer.GradientMethod):
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
+
+    @property
+    def loss_scale(self):
+        """The loss scale of Chainer's loss scaling (:meth:`loss_scaling`),
+        which the gradients carry, or ``None``."""
+        return self._loss_scale
+
+    def whole_model_hooks(self):
+        """Names of the pre-update optimizer hooks that need every gradient
+        at once (``GradientClipping``), not one parameter at a time."""
+        return [name for name, hook in self._hookable._pre_update_hooks
+                .items() if not getattr(hook, 'call_for_each_param', False)]
 
     # -- set-up -------------------------------------------------------------
 
@@ -431,7 +278,7 @@ class KFAC(optimizer.GradientMethod):
         comparing processes (:mod:`chainerkfac.distributed.consistency`).
         """
         values = {name: getattr(self.hyperparam, name)
-                  for name in _HYPERPARAMETER_RULES}
+                  for name in options.HYPERPARAMETER_RULES}
         values.update(
             inverse=self.inverse, bn_fisher=self.bn_fisher,
             factor_interval_A=self.factor_interval['A'],
@@ -443,7 +290,8 @@ class KFAC(optimizer.GradientMethod):
             divergence=self.divergence,
             max_skipped_steps=self.max_skipped_steps,
             precondition=self.use_kfac)
-        return {name: _option_text(value) for name, value in values.items()}
+        return {name: options.option_text(value)
+                for name, value in values.items()}
 
     # -- the step -----------------------------------------------------------
 
@@ -458,8 +306,8 @@ class KFAC(optimizer.GradientMethod):
         if getattr(self, 'target', None) is None:
             raise RuntimeError('KFAC.update() before setup(): call '
                                'optimizer.setup(model) first')
-        _check_hyperparameters(self.hyperparam,
-                               'iteration {}'.format(self.t + 1))
+        options.check_hyperparameters(self.hyperparam,
+                                      'iteration {}'.format(self.t + 1))
         self._stages.prepare(self)
         # The forward pass moves BatchNorm's running averages: put them back
         # when the step is skipped or raises.
@@ -646,7 +494,7 @@ class KFAC(optimizer.GradientMethod):
         refreshed = [block for block, done in zip(due, cpu_parallel.map_blocks(
             lambda block: block.update_inverse(
                 step, block.effective_damping(hp)),
-            due, _work('inverse_cost'))) if done]
+            due, cpu_parallel.block_work('inverse_cost'))) if done]
         self._stages.share_inverses(self, refreshed)
         # The gradients carry the loss scale; the decay term must too.
         inner = self._stages.precondition(
@@ -748,16 +596,6 @@ class KFAC(optimizer.GradientMethod):
                         entry, block and '{}: {}'.format(
                             block.name, block.describe())))
         return True
-
-
-def _option_text(value):
-    text = repr(value)
-    if ' at 0x' in text:
-        # A function's repr holds its address, which differs by process.
-        return 'callable {}.{}'.format(
-            getattr(value, '__module__', '?'),
-            getattr(value, '__qualname__', type(value).__name__))
-    return text
 
 
 def _owns_parameters(link):

@@ -1,0 +1,93 @@
+"""Checks of :class:`~chainerkfac.optimizers.KFAC`'s options and
+hyperparameters, each raising ``ValueError`` (``TypeError`` for a wrong
+kind of schedule) that names the option and what it must be."""
+import numbers
+
+from chainerkfac import schedules
+
+INVERSES = ('cholesky', 'eigen')
+BN_FISHERS = ('diagonal', 'full')
+NONFINITE = ('raise', 'skip')
+DIVERGENCE = ('warn', 'raise')
+
+#: Hyperparameter -> (whether a number is in range, the rule in words).
+HYPERPARAMETER_RULES = {
+    'lr': (lambda v: v >= 0, 'a real number >= 0'),
+    'momentum': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
+    'damping': (lambda v: v > 0, 'a real number > 0'),
+    'cov_ema_decay': (lambda v: 0 <= v < 1, 'a real number in [0, 1)'),
+    'weight_decay': (lambda v: v >= 0, 'a real number >= 0'),
+    'bn_damping_multiplier': (lambda v: v > 0, 'a real number > 0'),
+    'kl_clip': (lambda v: v > 0, 'a real number > 0, or None'),
+}
+
+
+def check_hyperparameters(hp, when='construction'):
+    """Raises ``ValueError`` naming the first hyperparameter that is not a
+    real number in its range (``kl_clip`` may be None: the guard is off).
+
+    Run at construction and at the start of every update, since extensions
+    (``ExponentialShift``, ``LinearShift``) and users set them at run time.
+    """
+    for name, (in_range, rule) in HYPERPARAMETER_RULES.items():
+        value = getattr(hp, name)
+        if name == 'kl_clip' and value is None:
+            continue
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                or not in_range(value)):
+            raise ValueError('KFAC {} must be {}, got {!r} (at {})'.format(
+                name, rule, value, when))
+
+
+def choice(value, choices, what):
+    """``value`` if it is one of ``choices``."""
+    if value not in choices:
+        raise ValueError('KFAC {} must be one of {}, got {!r}'
+                         .format(what, ', '.join(map(repr, choices)), value))
+    return value
+
+
+def positive_int(value, what):
+    """``value`` if it is an int >= 1."""
+    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+            or value < 1):
+        raise ValueError('KFAC {} must be an int >= 1, got {!r}'
+                         .format(what, value))
+    return value
+
+
+def factor_intervals(value):
+    """``{'A': interval, 'G': interval}`` from the ``factor_interval``
+    option: one interval for both, or a dict with exactly those keys."""
+    if isinstance(value, dict):
+        unknown = set(value) - {'A', 'G'}
+        if unknown or len(value) != 2:
+            raise ValueError("KFAC factor_interval as a dict needs "
+                             "exactly the keys 'A' and 'G', got {}"
+                             .format(sorted(value)))
+        return {k: schedules.check_interval(v, 'factor_interval[{!r}]'
+                                            .format(k))
+                for k, v in value.items()}
+    interval = schedules.check_interval(value, 'factor_interval')
+    return {'A': interval, 'G': interval}
+
+
+def inverse_interval(value):
+    """The ``inverse_interval`` option, which cannot be adaptive."""
+    interval = schedules.check_interval(value, 'inverse_interval')
+    if isinstance(interval, schedules.Adaptive):
+        raise TypeError('KFAC inverse_interval cannot be Adaptive: '
+                        'change rates are measured on factors')
+    return interval
+
+
+def option_text(value):
+    """``value`` as text that two processes which set the same value print
+    alike (a plain function by its name, not its address)."""
+    text = repr(value)
+    if ' at 0x' in text:
+        # A function's repr holds its address, which differs by process.
+        return 'callable {}.{}'.format(
+            getattr(value, '__module__', '?'),
+            getattr(value, '__qualname__', type(value).__name__))
+    return text

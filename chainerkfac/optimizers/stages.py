@@ -1,0 +1,147 @@
+"""The stages of a K-FAC step: what moves between processes, and when.
+
+:class:`~chainerkfac.optimizers.KFAC` runs one step in the order of Osawa
+et al. (CVPR 2019) Algorithm 1 and hands every stage that depends on where
+the blocks live to a :class:`Stages` object::
+
+    prepare          once per update, before the step
+    reduce           gradients and statistics after backward (stage 3)
+    agree            every process takes the step, or none
+    owned            the blocks this process refreshes (stages 4-5)
+    share_inverses   after the refresh: what split blocks' parts need
+    precondition     V = F̂⁻¹ ∇ for this process's blocks (stage 5)
+    gather           V and the guard's sums on every process (stage 6)
+
+:class:`LocalStages` is one process, where nothing moves;
+:class:`chainerkfac.distributed.HybridParallelStages` is the paper's hybrid
+data/model-parallel scheme under MPI (§3.3). The optimizer's step is the
+same code for both.
+"""
+import abc
+import sys
+
+from chainerkfac import cpu_parallel
+
+
+class Stages(abc.ABC):
+    """The interface between the optimizer's step and where blocks live."""
+
+    @abc.abstractmethod
+    def setup(self, optimizer):
+        """Called at the end of :meth:`KFAC.setup
+        <chainerkfac.optimizers.KFAC.setup>`."""
+
+    @abc.abstractmethod
+    def prepare(self, optimizer):
+        """Called at the start of every :meth:`KFAC.update
+        <chainerkfac.optimizers.KFAC.update>`."""
+
+    @abc.abstractmethod
+    def reduce(self, optimizer):
+        """Gradients and statistics after backward, before the hooks.
+
+        Returns ``{block: {factor: batch mean}}`` for the blocks this
+        process refreshes.
+        """
+
+    @abc.abstractmethod
+    def agree(self, ok):
+        """Whether every process can take the step (``ok`` is local)."""
+
+    @abc.abstractmethod
+    def rank_and_size(self):
+        """``(rank, number of processes)`` of this process."""
+
+    @abc.abstractmethod
+    def owned(self, blocks):
+        """The blocks this process refreshes."""
+
+    @abc.abstractmethod
+    def share_inverses(self, optimizer, refreshed):
+        """Called after the due inverses were refreshed (``refreshed`` are
+        the blocks whose inverse this process recomputed), before
+        preconditioning."""
+
+    @abc.abstractmethod
+    def precondition(self, optimizer, weight_decay):
+        """Replaces the gradients of the blocks (or parts of blocks) this
+        process preconditions by ``V = F̂⁻¹ ∇``; returns this process's part
+        of ``Σ_b ⟨V_b, ∇_b⟩`` (:mod:`chainerkfac.update_norm`)."""
+
+    @abc.abstractmethod
+    def gather(self, optimizer, terms):
+        """Shares preconditioned gradients and the refresh schedules of the
+        factors this process refreshed. ``terms`` is this process's part of
+        the update-norm guard's sums, ``(Σ_b ⟨V_b, ∇_b⟩, samples in its
+        batch)``; returns their sums over every process, the same numbers on
+        each."""
+
+
+class LocalStages(Stages):
+    """The stages of one K-FAC step in a single process: nothing moves."""
+
+    def __init__(self):
+        self._checked_mpi = False
+
+    def setup(self, optimizer):
+        pass
+
+    def prepare(self, optimizer):
+        """At the first update, refuses to run in one of several MPI
+        processes (see :func:`refuse_under_mpi`)."""
+        if not self._checked_mpi:
+            self._checked_mpi = True
+            refuse_under_mpi()
+
+    def reduce(self, optimizer):
+        stats = {}
+        for block in optimizer.blocks:
+            if block.has_pending_statistics():
+                stats[block] = block.take_statistics(optimizer.loss_scale)
+        return stats
+
+    def agree(self, ok):
+        return ok
+
+    def rank_and_size(self):
+        return 0, 1
+
+    def owned(self, blocks):
+        return blocks
+
+    def share_inverses(self, optimizer, refreshed):
+        pass
+
+    def precondition(self, optimizer, weight_decay):
+        return sum(cpu_parallel.map_blocks(
+            lambda block: block.precondition(weight_decay),
+            self.owned(optimizer.blocks),
+            cpu_parallel.block_work('precondition_cost')))
+
+    def gather(self, optimizer, terms):
+        return terms
+
+
+def refuse_under_mpi():
+    """Raises ``RuntimeError`` when this process is one of several MPI
+    processes (mpi4py already initialised, ``COMM_WORLD`` larger than 1).
+
+    K-FAC that was not made distributed by
+    :func:`chainerkfac.create_multi_node_optimizer` preconditions with the
+    curvature of its own process's batch. Under ChainerMN's
+    ``chainermn.create_multi_node_optimizer`` the gradients are averaged,
+    the curvature is not, and the replicas drift apart without a word.
+    """
+    mpi = sys.modules.get('mpi4py.MPI')
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    size = mpi.COMM_WORLD.Get_size()
+    if size > 1:
+        raise RuntimeError(
+            'KFAC runs in one of {} MPI processes without '
+            'chainerkfac.create_multi_node_optimizer: every process would '
+            'precondition with the curvature of its own batch and the '
+            'replicas would drift apart. Use '
+            'chainerkfac.create_multi_node_optimizer(optimizer, communicator)'
+            ' (a chainermn.create_communicator communicator works too) '
+            'instead of chainermn.create_multi_node_optimizer'.format(size))
