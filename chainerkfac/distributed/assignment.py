@@ -297,6 +297,35 @@ def assign_blocks(blocks, world_size, refresh_fraction=1.0, shardable=False,
     return best
 
 
+def place_blocks(blocks, world_size, max_load_imbalance):
+    """The assignment of a model's Fisher blocks to ``world_size`` ranks.
+
+    Each block's cost (:meth:`FisherBlock.cost
+    <chainerkfac.curvature.FisherBlock.cost>`) is weighed by the share of
+    steps that refresh its inverse in a *fresh* run's first iteration,
+    which the options alone decide: only owners keep a block's factors, so
+    the placement must come out the same when a run resumes. Blocks are
+    split (:func:`assign_blocks`'s ``shardable``) where they allow it and
+    ``max_load_imbalance`` is not ``None``.
+
+    Returns:
+        ``(Assignment, refresh fractions per block)``.
+    """
+    costs = [b.cost() for b in blocks]
+    for block, cost in zip(blocks, costs):
+        if cost is None:
+            raise ValueError(
+                '{} ({}) does not define cost(), which distributed K-FAC '
+                'needs to place it on a rank'.format(type(block).__name__,
+                                                     block.name))
+    fractions = [1 / b.inverse_reuse() for b in blocks]
+    split = max_load_imbalance is not None
+    return assign_blocks(
+        costs, world_size, fractions,
+        shardable=[split and b.splittable() for b in blocks],
+        max_imbalance=max_load_imbalance or 1.0), fractions
+
+
 def assign_blocks_by_count(blocks, world_size, refresh_fraction=1.0):
     """The original implementation's split, for comparison.
 

@@ -32,15 +32,12 @@ from chainerkfac import cpu_parallel
 from chainerkfac import linalg
 from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
+from chainerkfac.distributed import buffers
 from chainerkfac.distributed import consistency
 from chainerkfac.distributed import split as split_module
 from chainerkfac.optimizers import stages
 
 logger = logging.getLogger(__name__)
-
-
-def _pack(stat):
-    return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
 
 
 class HybridParallelStages(stages.Stages):
@@ -82,7 +79,6 @@ class HybridParallelStages(stages.Stages):
         self.assignment = None
         self._needs_broadcast = True
         self._layout = None
-        self._shapes = None
         #: The split blocks (:class:`~chainerkfac.distributed.split.
         #: SplitBlocks`), from the first step on.
         self.split = None
@@ -128,25 +124,13 @@ class HybridParallelStages(stages.Stages):
     # -- stage 3 ------------------------------------------------------------
 
     def _assign(self, optimizer):
-        # Only owners keep a block's factors, so the placement must come out
-        # the same when a run resumes: it follows the intervals of a fresh
-        # run's first iteration, which the options alone decide.
         blocks = optimizer.blocks
-        split = self.max_load_imbalance is not None
-        costs = [b.cost() for b in blocks]
-        for block, cost in zip(blocks, costs):
-            if cost is None:
-                raise ValueError(
-                    '{} ({}) does not define cost(), which distributed K-FAC '
-                    'needs to place it on a rank'.format(
-                        type(block).__name__, block.name))
-        fractions = [1 / b.inverse_reuse() for b in blocks]
-        self.assignment = assignment_module.assign_blocks(
-            costs, self.comm.size, fractions,
-            shardable=[split and b.splittable() for b in blocks],
-            max_imbalance=self.max_load_imbalance or 1.0)
+        self.assignment, fractions = assignment_module.place_blocks(
+            blocks, self.comm.size, self.max_load_imbalance)
         self.split = split_module.SplitBlocks(self.comm, self.assignment,
                                               blocks, fractions)
+        self._layout = buffers.Layout(self.assignment, self.split.splits,
+                                      self.comm.size)
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s, split blocks %s', self.comm.size,
@@ -162,94 +146,31 @@ class HybridParallelStages(stages.Stages):
             if isinstance(link, L.BatchNormalization)
             and link.avg_mean is not None]
 
-    def _part_size(self, i, s):
-        """Elements of part ``s`` of block ``i``'s preconditioned
-        gradient."""
-        size = int(numpy.prod(self._shapes[i]))
-        if i not in self.split.splits:
-            return size
-        bounds = self.split.splits[i].bounds
-        start, stop = bounds[s]
-        # The last part ends at the length of the split side.
-        return size // bounds[-1][1] * (stop - start)
-
     def reduce(self, optimizer):
         if self.assignment is None:
             self._assign(optimizer)
         blocks = optimizer.blocks
         grads = [block.gradient() for block in blocks]
-        self._shapes = [grad.shape for grad in grads]
-        # layout[i, s]: (key, shape, size) of what part s of block i
-        # receives: the gradient, when the part has rows or columns to
-        # compute; the owner's part also gets the statistics.
-        parts, layout = [], {}
-        for i, s in self.assignment.buffer_order():
-            block = blocks[i]
-            entries = []
-            if self._part_size(i, s):
-                entries.append(('grad', grads[i].shape, grads[i].ravel()))
-            if s == 0:
-                stats = block.take_statistics(optimizer.loss_scale)
-                entries += [(f, stats[f].shape, _pack(stats[f]))
-                            for f in block.factors if f in stats]
-            layout[i, s] = [(key, shape, flat.size)
-                            for key, shape, flat in entries]
-            parts += [flat for _, _, flat in entries]
-        sizes = {item: sum(size for _, _, size in entries)
-                 for item, entries in layout.items()}
+        parts, sizes = self._layout.pack_reduce(blocks, grads,
+                                                optimizer.loss_scale)
         xp = backend.get_array_module(grads[0])
-        counts = self.assignment.segment_counts(sizes)
         # One transport scale per gradient and per factor.
         groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
-        mine = self.comm.reduce_scatter_v(xp.concatenate(parts), counts,
-                                          groups)
+        mine = self.comm.reduce_scatter_v(
+            xp.concatenate(parts), self.assignment.segment_counts(sizes),
+            groups)
         mine /= self.comm.size
-        self._layout = layout
-        self._allreduce_replicated_state()
-
-        stats_of_owned = {}
-        offset = 0
-        for i, s in sorted(self.split.parts.items()):
-            block = blocks[i]
-            stats = {}
-            for key, shape, size in layout[i, s]:
-                flat = mine[offset:offset + size]
-                offset += size
-                if key == 'grad':
-                    block.set_gradient(flat.reshape(shape))
-                elif len(shape) == 2:
-                    # Into the block's sum, which its own statistics
-                    # left once packed.
-                    stats[key] = linalg.unpack_symmetric(
-                        flat, shape[0],
-                        block.statistics_out(key, shape, flat))
-                else:
-                    stats[key] = flat.reshape(shape)
-            if stats:
-                stats_of_owned[block] = stats
-        return stats_of_owned
-
-    def _allreduce_replicated_state(self):
-        """Averages what every rank keeps a full copy of, in one allreduce.
-
-        Gradients of parameters outside the blocks (momentum SGD on every
-        rank), and BatchNorm running means and variances: averaging these
-        every step equals averaging them before evaluation or a snapshot
-        (their update is linear), and keeps the replicas identical.
-        """
-        arrays = [p.grad for p in self._other_params if p.grad is not None]
+        # What every rank keeps whole: gradients of parameters outside the
+        # blocks (momentum SGD on every rank) and BatchNorm running means
+        # and variances. Averaging these every step equals averaging them
+        # before evaluation or a snapshot (their update is linear), and
+        # keeps the replicas identical.
+        replicated = [p.grad for p in self._other_params
+                      if p.grad is not None]
         for link in self._running_statistics:
-            arrays += [link.avg_mean, link.avg_var]
-        if not arrays:
-            return
-        xp = backend.get_array_module(arrays[0])
-        flat = xp.concatenate([a.ravel().astype(arrays[0].dtype, copy=False)
-                               for a in arrays])
-        self.comm.allreduce_mean(flat)
-        offset = 0
-        for a in arrays:
-            a[...] = flat[offset:offset + a.size].reshape(a.shape)
-            offset += a.size
+            replicated += [link.avg_mean, link.avg_var]
+        buffers.average_replicated(self.comm, replicated)
+        return self._layout.unpack_reduce(blocks, mine, self.split.parts)
 
     def agree(self, ok):
         return bool(self.comm.allreduce_obj(int(not ok)) == 0)
@@ -319,11 +240,12 @@ class HybridParallelStages(stages.Stages):
         exactly up to 2048 only): the replicas and their refresh schedules
         agree."""
         blocks = optimizer.blocks
-        refreshed = {i: [key for key, _, _ in self._layout[i, 0]
-                         if key != 'grad'] for i in range(len(blocks))}
+        layout = self._layout
+        refreshed = {i: layout.refreshed_factors(i)
+                     for i in range(len(blocks))}
         terms = tuple(terms) + (consistency.options_digest(optimizer),)
         n_terms = len(terms)
-        places, groups, slots = self._gather_layout(refreshed, n_terms)
+        places, groups, slots = layout.gather(n_terms)
         parts = []
         splits = self.split.splits
         for i, s in sorted(self.split.parts.items()):
@@ -356,19 +278,19 @@ class HybridParallelStages(stages.Stages):
             self._check_options(optimizer)
         totals = tuple(float(v) for v in rows[:, :-1].sum(axis=0))
         step = optimizer.t
-        assembled = {i: xp.empty(self._shapes[i], dtype=dtype)
+        assembled = {i: xp.empty(layout.shapes[i], dtype=dtype)
                      for i in splits}
         # Without a transport_dtype an owner's gradients come back as it
         # sent them: only a rounding transport makes it take the copy.
         rounded = self.comm.get_config('transport_dtype') is not None
         for (i, s), offset in places.items():
-            n_grad = self._part_size(i, s)
+            n_grad = layout.part_size(i, s)
             piece = everything[offset:offset + n_grad]
             if i in assembled:
                 target = splits[i].part_of(assembled[i], s)
                 target[...] = piece.reshape(target.shape)
             elif rounded or self.assignment.owners[i] != self.comm.rank:
-                blocks[i].set_gradient(piece.reshape(self._shapes[i]))
+                blocks[i].set_gradient(piece.reshape(layout.shapes[i]))
             if s == 0:
                 intervals = everything[offset + n_grad:offset + n_grad
                                        + len(refreshed[i])]
@@ -377,32 +299,3 @@ class HybridParallelStages(stages.Stages):
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
         return totals
-
-    def _gather_layout(self, refreshed, n_terms):
-        """Where the all-gather puts what: ``(places, groups, slots)``.
-
-        Each rank's segment holds its parts in :meth:`buffer_order
-        <chainerkfac.distributed.Assignment.buffer_order>`, each part its
-        piece of the preconditioned gradient, the owner's part then one
-        interval per factor in ``refreshed[block]``; after the parts, the
-        rank's ``n_terms`` terms. ``places[part]`` is the offset of a
-        part's piece, ``groups`` the starts of the runs that share a
-        transport scale (each piece, each part's intervals, each term) and
-        ``slots`` the offsets of the terms, rank by rank."""
-        by_rank = [[] for _ in range(self.comm.size)]
-        for i, s in self.assignment.buffer_order():
-            by_rank[self.assignment.shards[i][s]].append((i, s))
-        places, groups, slots, offset = {}, [], [], 0
-        for items in by_rank:
-            for i, s in items:
-                places[i, s] = offset
-                groups.append(offset)
-                offset += self._part_size(i, s)
-                if s == 0:
-                    groups.append(offset)
-                    offset += len(refreshed[i])
-            for _ in range(n_terms):
-                groups.append(offset)
-                slots.append(offset)
-                offset += 1
-        return places, groups, numpy.asarray(slots)

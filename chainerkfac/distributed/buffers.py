@@ -1,0 +1,150 @@
+"""The step's collective buffers: what each one holds, and where.
+
+Stage 3's reduce-scatter-v carries, per part of a block in
+:meth:`~chainerkfac.distributed.Assignment.buffer_order`, the block's
+gradient (if the part has rows or columns of ``V`` to compute) and, to the
+owner's part, its packed statistics (symmetric factors as their upper
+triangle, Osawa et al. §3.4). Stage 6's all-gather-v carries every part's
+piece of ``V``, the intervals the owner's refresh schedules adapted to, and
+each rank's terms of the update-norm guard. Parameters every rank keeps
+whole travel in one allreduce (:func:`average_replicated`).
+"""
+import numpy
+from chainer import backend
+
+from chainerkfac import linalg
+
+
+class Layout:
+    """The places of one assignment's blocks in the step's buffers.
+
+    Args:
+        assignment: The :class:`~chainerkfac.distributed.Assignment`.
+        splits: ``{block: Split}`` of the split blocks
+            (:class:`~chainerkfac.distributed.split.Split`).
+        world_size (int): The number of ranks.
+    """
+
+    def __init__(self, assignment, splits, world_size):
+        self.assignment = assignment
+        self.splits = splits
+        self.world_size = world_size
+        #: The shapes of the blocks' gradients, set at every reduce.
+        self.shapes = None
+        #: ``{(block, part): [(factor, shape, size)]}``: the statistics
+        #: the last reduce carried to each owner's part.
+        self.statistics = {}
+
+    def part_size(self, i, s):
+        """Elements of part ``s`` of block ``i``'s preconditioned
+        gradient."""
+        size = int(numpy.prod(self.shapes[i]))
+        if i not in self.splits:
+            return size
+        bounds = self.splits[i].bounds
+        start, stop = bounds[s]
+        # The last part ends at the length of the split side.
+        return size // bounds[-1][1] * (stop - start)
+
+    def pack_reduce(self, blocks, grads, loss_scale):
+        """The reduce-scatter's send buffer as a list of flat arrays, and
+        the elements per ``(block, part)``. Takes the blocks' pending
+        statistics."""
+        self.shapes = [grad.shape for grad in grads]
+        parts, sizes, self.statistics = [], {}, {}
+        for i, s in self.assignment.buffer_order():
+            flats = []
+            if self.part_size(i, s):
+                flats.append(grads[i].ravel())
+            if s == 0:
+                block = blocks[i]
+                stats = block.take_statistics(loss_scale)
+                entries = [(f, stats[f].shape, _pack(stats[f]))
+                           for f in block.factors if f in stats]
+                self.statistics[i] = [(f, shape, flat.size)
+                                      for f, shape, flat in entries]
+                flats += [flat for _, _, flat in entries]
+            sizes[i, s] = sum(flat.size for flat in flats)
+            parts += flats
+        return parts, sizes
+
+    def unpack_reduce(self, blocks, mine, parts):
+        """Writes the reduced gradients of this rank's ``parts``
+        (``{block: part}``) into the blocks; returns ``{block: {factor:
+        batch mean}}`` of the owned blocks' statistics."""
+        stats_of_owned = {}
+        offset = 0
+        for i, s in sorted(parts.items()):
+            block = blocks[i]
+            size = self.part_size(i, s) and int(numpy.prod(self.shapes[i]))
+            if size:
+                block.set_gradient(mine[offset:offset + size].reshape(
+                    self.shapes[i]))
+                offset += size
+            stats = {}
+            carried = self.statistics.get(i, []) if s == 0 else []
+            for f, shape, size in carried:
+                flat = mine[offset:offset + size]
+                offset += size
+                if len(shape) == 2:
+                    # Into the block's sum, which its own statistics
+                    # left once packed.
+                    stats[f] = linalg.unpack_symmetric(
+                        flat, shape[0], block.statistics_out(f, shape, flat))
+                else:
+                    stats[f] = flat.reshape(shape)
+            if stats:
+                stats_of_owned[block] = stats
+        return stats_of_owned
+
+    def refreshed_factors(self, i):
+        """The factors of block ``i`` whose statistics the last reduce
+        carried (those the owner refreshed)."""
+        return [f for f, _, _ in self.statistics.get(i, [])]
+
+    def gather(self, n_terms):
+        """Where the all-gather puts what: ``(places, groups, slots)``.
+
+        Each rank's segment holds its parts in :meth:`buffer_order
+        <chainerkfac.distributed.Assignment.buffer_order>`, each part its
+        piece of the preconditioned gradient, the owner's part then one
+        interval per refreshed factor (:meth:`refreshed_factors`); after
+        the parts, the rank's ``n_terms`` terms. ``places[part]`` is the
+        offset of a part's piece, ``groups`` the starts of the runs that
+        share a transport scale (each piece, each part's intervals, each
+        term) and ``slots`` the offsets of the terms, rank by rank."""
+        by_rank = [[] for _ in range(self.world_size)]
+        for i, s in self.assignment.buffer_order():
+            by_rank[self.assignment.shards[i][s]].append((i, s))
+        places, groups, slots, offset = {}, [], [], 0
+        for items in by_rank:
+            for i, s in items:
+                places[i, s] = offset
+                groups.append(offset)
+                offset += self.part_size(i, s)
+                if s == 0:
+                    groups.append(offset)
+                    offset += len(self.refreshed_factors(i))
+            for _ in range(n_terms):
+                groups.append(offset)
+                slots.append(offset)
+                offset += 1
+        return places, groups, numpy.asarray(slots)
+
+
+def _pack(stat):
+    return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
+
+
+def average_replicated(comm, arrays):
+    """Averages ``arrays`` over ranks in place, in one allreduce."""
+    if not arrays:
+        return
+    xp = backend.get_array_module(arrays[0])
+    flat = xp.concatenate([a.ravel().astype(arrays[0].dtype, copy=False)
+                           for a in arrays])
+    comm.allreduce_mean(flat)
+    offset = 0
+    for a in arrays:
+        a[...] = flat[offset:offset + a.size].reshape(a.shape)
+        offset += a.size
