@@ -259,7 +259,6 @@ def instrument():
     _instrumented[0] = True
     import chainerkfac
     from chainerkfac.curvature import base, kronecker, batch_normalization
-    from chainerkfac.optimizers import kfac
     plan = [
         ('forward_statistics', 'stats_forward'),
         ('backward_statistics', 'stats_backward'),
@@ -277,7 +276,8 @@ def instrument():
         for name, stage in plan:
             if name in cls.__dict__:
                 _wrap(cls, name, stage)
-    _wrap(kfac.KFAC, '_check_finite_gradients', 'finite_check')
+    from chainerkfac.optimizers import nonfinite
+    _wrap(nonfinite.FiniteChecks, '_check_finite_gradients', 'finite_check')
     from chainerkfac.optimizers import stages
     _wrap(stages.LocalStages, 'precondition', 'precondition')
     try:

@@ -31,16 +31,16 @@ _original_check_finite = None
 
 def _setup_finite():
     global _original_check_finite
-    from chainerkfac.optimizers import kfac
-    f = kfac.KFAC.__dict__['_check_finite_gradients']
+    from chainerkfac.optimizers import nonfinite
+    f = nonfinite.FiniteChecks.__dict__['_check_finite_gradients']
     _original_check_finite = getattr(f, '_bench_original', f)
 
 
 def fused_finite():
     _setup_finite()
-    from chainerkfac.optimizers import kfac
+    from chainerkfac.optimizers import nonfinite
     return harness.Patch('fused_finite', [
-        (kfac.KFAC, '_check_finite_gradients',
+        (nonfinite.FiniteChecks, '_check_finite_gradients',
          _check_finite_gradients_fused)],
         doc='isfinite(grad.sum(float64)) per parameter')
 

@@ -401,7 +401,7 @@ def test_finite_checks_find_the_bad_array_among_many(bad):
     arrays = [rng.randn(*shape).astype(dtype) for shape, dtype in zip(
         [(3, 4), (5,), (2, 3, 3), (1,), (7, 2)] * 3,
         [numpy.float32, numpy.float64, numpy.float16] * 5)]
-    check = chainerkfac.optimizers.kfac._all_finite
+    check = chainerkfac.optimizers.nonfinite.all_finite
     assert check(send(*arrays)) == [True] * len(arrays)
     arrays[7][1, 2, 0] = bad
     expected = [i != 7 for i in range(len(arrays))]

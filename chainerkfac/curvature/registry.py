@@ -31,6 +31,34 @@ def lookup(link):
     return None
 
 
+def blocks_of(model, options):
+    """``(blocks, unsupported)``: a block for every link of ``model`` that
+    a registered block serves (in ``namedlinks`` order, named by its path),
+    and ``(name, reason)`` for each link that holds parameters but gets
+    none (its parameters follow momentum SGD)."""
+    blocks, unsupported = [], []
+    for path, child in model.namedlinks(skipself=False):
+        name = path.strip('/') or '(root)'
+        block_class = lookup(child)
+        if block_class is None:
+            if _owns_parameters(child):
+                unsupported.append((name, 'no Fisher block for {}'.format(
+                    type(child).__name__)))
+            continue
+        reason = block_class.unsupported_reason(child)
+        if reason is not None:
+            unsupported.append((name, reason))
+            continue
+        blocks.append(block_class(child, name, options))
+    return blocks, unsupported
+
+
+def _owns_parameters(link):
+    """Whether ``link`` holds parameters itself (not only in children)."""
+    return any(name.count('/') == 1
+               for name, _ in link.namedparams(include_uninit=True))
+
+
 register(L.Linear, linear.LinearBlock)
 register(L.Convolution2D, convolution_2d.Convolution2DBlock)
 # The same im2col Kronecker factors, with its dilation (not a subclass).

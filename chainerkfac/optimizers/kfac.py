@@ -12,15 +12,11 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
 Parameters of links without a Fisher block keep their raw gradient and so
 follow plain momentum SGD.
 """
-import itertools
 import logging
 
 import chainer
-import chainer.links as L
-from chainer import backend
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
-import numpy
 
 from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
@@ -28,7 +24,10 @@ from chainerkfac import hooks
 from chainerkfac import update_norm
 from chainerkfac.curvature import base
 from chainerkfac.curvature import registry
+from chainerkfac.optimizers import accumulation
+from chainerkfac.optimizers import nonfinite
 from chainerkfac.optimizers import options
+from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages as stages_module
 
 logger = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
     """
 
 
-class KFAC(optimizer.GradientMethod):
+class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     """K-FAC with momentum (Martens & Grosse 2015; Osawa et al. CVPR 2019).
 
     Swap it in for MomentumSGD; :meth:`setup` finds every Linear,
@@ -222,26 +221,13 @@ class KFAC(optimizer.GradientMethod):
             inverse=self.inverse, bn_fisher=self.bn_fisher,
             spatial_subsample=self.spatial_subsample,
             batch_subsample=self.batch_subsample)
-        by_link = {}
+        self.blocks, self._unsupported = registry.blocks_of(link, options)
+        by_link = {id(block.link): block for block in self.blocks}
         self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1)
-        for path, child in link.namedlinks(skipself=False):
-            name = path.strip('/') or '(root)'
-            block_class = registry.lookup(child)
-            if block_class is None:
-                if _owns_parameters(child):
-                    self._unsupported.append((name, 'no Fisher block for {}'
-                                              .format(type(child).__name__)))
-                continue
-            reason = block_class.unsupported_reason(child)
-            if reason is not None:
-                self._unsupported.append((name, reason))
-                continue
-            block = block_class(child, name, options)
-            self.blocks.append(block)
-            by_link[id(child)] = block
-            if self._hook.name in child.local_link_hooks:
-                child.delete_hook(self._hook.name)
-            child.add_hook(self._hook)
+        for block in self.blocks:
+            if self._hook.name in block.link.local_link_hooks:
+                block.link.delete_hook(self._hook.name)
+            block.link.add_hook(self._hook)
         self._stages.setup(self)
         logger.info('%s', self.describe())
         return self
@@ -311,11 +297,12 @@ class KFAC(optimizer.GradientMethod):
         self._stages.prepare(self)
         # The forward pass moves BatchNorm's running averages: put them back
         # when the step is skipped or raises.
-        running = [] if lossfun is None else self._running_statistics()
+        running = [] if lossfun is None else \
+            nonfinite.running_statistics(self.target)
         try:
             taken, mean_loss, scale = self._step(lossfun, args, kwds)
         except BaseException:
-            _restore(running)
+            nonfinite.restore(running)
             raise
         chainer.report({'kfac/skipped_steps': int(not taken)})
         if taken:
@@ -323,7 +310,7 @@ class KFAC(optimizer.GradientMethod):
             self._last_nonfinite = None
             self._monitor.observe(self.t, mean_loss, scale)
         else:
-            _restore(running)
+            nonfinite.restore(running)
             self._skipped_in_a_row += 1
             if self._skipped_in_a_row >= self.max_skipped_steps:
                 raise base.NonFiniteError(
@@ -341,7 +328,8 @@ class KFAC(optimizer.GradientMethod):
         if lossfun is not None:
             self.target.cleargrads()
             losses = []
-            for chunk_args, chunk_kwds in self._micro_batches(args, kwds):
+            for chunk_args, chunk_kwds in accumulation.micro_batches(
+                    args, kwds, self.acc_iters):
                 loss = lossfun(*chunk_args, **chunk_kwds)
                 loss.backward(loss_scale=self._loss_scale)
                 losses.append(loss.array)
@@ -370,93 +358,6 @@ class KFAC(optimizer.GradientMethod):
         self.call_hooks('post')
         self.update_loss_scale()
         return taken, mean_loss, scale
-
-    def _micro_batches(self, args, kwds):
-        k = self.acc_iters
-        if k == 1:
-            return [(args, kwds)]
-        sizes = {len(a) for a in list(args) + list(kwds.values())
-                 if hasattr(a, 'shape') and a.ndim > 0}
-        if len(sizes) != 1 or next(iter(sizes)) % k:
-            raise ValueError('KFAC acc_iters={} needs batch arrays of one '
-                             'length divisible by it, got lengths {}'
-                             .format(k, sorted(sizes)))
-        m = next(iter(sizes)) // k
-
-        def part(a, i):
-            if hasattr(a, 'shape') and a.ndim > 0:
-                return a[i * m:(i + 1) * m]
-            return a
-        return [(tuple(part(a, i) for a in args),
-                 {key: part(a, i) for key, a in kwds.items()})
-                for i in range(k)]
-
-    def _running_statistics(self):
-        """Copies of BatchNorm running means and variances, to restore them
-        when a step is skipped."""
-        return [(array, array.copy())
-                for link in self.target.links()
-                if isinstance(link, L.BatchNormalization)
-                and link.avg_mean is not None
-                for array in (link.avg_mean, link.avg_var)]
-
-    def _preconditioned_fit(self):
-        """Whether the preconditioned gradients of float16 parameters are
-        finite.
-
-        ``V = F̂⁻¹ ∇`` carries the loss scale ``s`` as ``∇`` does, and can
-        be much larger than ``∇``: with a scale that just keeps ``∇``
-        within float16 (dynamic loss scaling grows it up to there), ``s V``
-        overflows. Dynamic loss scaling then skips the step and halves
-        ``s``, as it does for an overflowing ``∇``; a static scale raises.
-        The check is of ``s V`` as written into the gradients, before the
-        update-norm guard's ``ν ≤ 1``: a step whose ``ν s V`` would have
-        fitted is skipped too (conservative). Every process holds every
-        preconditioned gradient after the gather, so all take the same
-        decision.
-        """
-        halves = [(block.name, p.grad) for block in self.blocks
-                  for p in block.params() if p.grad is not None
-                  and p.grad.dtype == numpy.float16]
-        if not halves:
-            return True
-        names = [name for (name, _), finite in zip(
-            halves, _all_finite([grad for _, grad in halves]))
-            if not finite]
-        if not names:
-            return True
-        if self._loss_scaling_is_dynamic:
-            self._loss_scaling_isnan = self._loss_scaling_isnan_ever = True
-            self._last_nonfinite = names[0]
-            logger.warning('skipping iteration %d: the preconditioned '
-                           'gradient of %s overflows float16 at loss scale '
-                           '%g; halving the scale', self.t, names[0],
-                           self._loss_scale)
-            return False
-        raise base.NonFiniteError(
-            'the preconditioned gradient of {} overflows float16 at loss '
-            'scale {:g} (iteration {}): lower the scale, use dynamic loss '
-            'scaling (optimizer.loss_scaling()), or keep the parameters in '
-            'float32 (chainer.mixed16)'.format(names[0], self._loss_scale or 1,
-                                               self.t))
-
-    def _check_finite_gradients(self):
-        """False (skip) or an error when a gradient is NaN or Inf."""
-        named = [(name, param) for name, param in self.target.namedparams()
-                 if param.grad is not None]
-        for name, finite in zip([name for name, _ in named],
-                                _all_finite([p.grad for _, p in named])):
-            if not finite:
-                if self.nonfinite == 'raise':
-                    raise base.NonFiniteError(
-                        'non-finite gradient in {} at iteration {}; pass '
-                        "nonfinite='skip' to KFAC to skip such steps"
-                        .format(name, self.t))
-                logger.warning('skipping iteration %d: non-finite gradient '
-                               'in %s', self.t, name)
-                self._last_nonfinite = name
-                return False
-        return True
 
     def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
@@ -535,9 +436,13 @@ class KFAC(optimizer.GradientMethod):
         """
         state = serializer['kfac']
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        fresh = loading and not self._load_header(state)
+        rank, size = self._stages.rank_and_size()
+        mine = snapshot.header(rank, size, self.inverse, self.bn_fisher,
+                               self.blocks)
+        fresh = loading and not snapshot.check_header(state, mine,
+                                                      self.blocks)
         if not loading:
-            for key, value in self._header().items():
+            for key, value in mine.items():
                 state['header'](key, value)
         super().serialize(serializer)
         if fresh:
@@ -547,77 +452,3 @@ class KFAC(optimizer.GradientMethod):
             return
         for block in self.blocks:
             block.serialize(state[block.name])
-
-    def _header(self):
-        rank, size = self._stages.rank_and_size()
-        return {'rank': rank, 'world_size': size, 'inverse': self.inverse,
-                'bn_fisher': self.bn_fisher,
-                'layers': '; '.join('{}: {}'.format(b.name, b.describe())
-                                    for b in self.blocks)}
-
-    def _load_header(self, state):
-        """Checks a snapshot's header against this run; False when the
-        snapshot has no K-FAC state at all."""
-        mine = self._header()
-        try:
-            saved = {key: state['header'](key, value)
-                     for key, value in mine.items()}
-        except KeyError:
-            # No header: a snapshot written before headers existed (its
-            # blocks load as they are) or one without K-FAC state.
-            return not self.blocks or self.blocks[0].in_snapshot(
-                state[self.blocks[0].name])
-        if (saved['world_size'], saved['rank']) != (
-                mine['world_size'], mine['rank']):
-            raise ValueError(
-                'snapshot written by rank {} of {} process(es), loaded by '
-                'rank {} of {}: each process keeps the curvature of the '
-                'layers it owns, so resume on {} process(es), each loading '
-                'its own file (.rank<R>)'.format(
-                    saved['rank'], saved['world_size'], mine['rank'],
-                    mine['world_size'], saved['world_size']))
-        for option in ('inverse', 'bn_fisher'):
-            if saved[option] != mine[option]:
-                raise ValueError(
-                    'snapshot written with KFAC {}={!r}, this run has {!r}'
-                    .format(option, saved[option], mine[option]))
-        entries = saved['layers'].split('; ') if saved['layers'] else []
-        for block, entry in itertools.zip_longest(self.blocks, entries):
-            name, _, described = (entry or '').partition(': ')
-            # A lazily initialised layer has no shapes yet (the Trainer
-            # loads the optimizer before the model): its name must agree.
-            shaped = block is not None and all(
-                p.array is not None for p in block.params())
-            if block is None or name != block.name or (
-                    shaped and described != block.describe()):
-                raise ValueError(
-                    'snapshot and model differ in their K-FAC layers, '
-                    'first: {!r} in the snapshot, {!r} in this model'.format(
-                        entry, block and '{}: {}'.format(
-                            block.name, block.describe())))
-        return True
-
-
-def _owns_parameters(link):
-    """Whether ``link`` holds parameters itself (not only in children)."""
-    return any(name.count('/') == 1
-               for name, _ in link.namedparams(include_uninit=True))
-
-
-def _restore(running):
-    for array, saved in running:
-        array[...] = saved
-
-
-def _all_finite(arrays):
-    """Whether each array is free of NaN and Inf, as a list of bools.
-
-    The flags of arrays on one device come back in one transfer: on a GPU
-    each read waits for the device, and ResNet-50 has 161 gradients.
-    """
-    if len({backend.get_device_from_array(a).name for a in arrays}) != 1:
-        return [bool(backend.get_array_module(a).isfinite(a).all())
-                for a in arrays]
-    xp = backend.get_array_module(arrays[0])
-    flags = xp.stack([xp.isfinite(a).all() for a in arrays])
-    return backend.CpuDevice().send(flags).tolist()

@@ -19,7 +19,7 @@ import chainer.links as L
 from chainerkfac.distributed import check_same_structure
 from chainerkfac.distributed import create_communicator
 from chainerkfac.distributed import global_except_hook
-from chainerkfac.distributed.communicator import SCALE_BLOCK
+from chainerkfac.distributed.scaling import SCALE_BLOCK
 
 
 NAME = sys.argv[1] if len(sys.argv) > 1 else 'naive'

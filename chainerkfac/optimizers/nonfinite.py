@@ -1,0 +1,111 @@
+"""Non-finite values in a step: checks, skipped steps and what they keep.
+
+A step whose gradients hold NaN or Inf raises
+:class:`~chainerkfac.curvature.NonFiniteError` naming the parameter, or,
+with ``nonfinite='skip'``, is skipped; so is a float16 step whose
+preconditioned gradient overflows under dynamic loss scaling. A skipped
+step (or one that raises) leaves BatchNorm's running statistics as they
+were (:func:`running_statistics`, :func:`restore`).
+"""
+import logging
+
+import chainer.links as L
+import numpy
+from chainer import backend
+
+from chainerkfac.curvature import base
+
+logger = logging.getLogger(__name__)
+
+
+class FiniteChecks:
+    """The checks of :class:`~chainerkfac.optimizers.KFAC` (a mixin: it
+    reads the optimizer's blocks, options and Chainer's loss scaling)."""
+
+    def _preconditioned_fit(self):
+        """Whether the preconditioned gradients of float16 parameters are
+        finite.
+
+        ``V = F̂⁻¹ ∇`` carries the loss scale ``s`` as ``∇`` does, and can
+        be much larger than ``∇``: with a scale that just keeps ``∇``
+        within float16 (dynamic loss scaling grows it up to there), ``s V``
+        overflows. Dynamic loss scaling then skips the step and halves
+        ``s``, as it does for an overflowing ``∇``; a static scale raises.
+        The check is of ``s V`` as written into the gradients, before the
+        update-norm guard's ``ν ≤ 1``: a step whose ``ν s V`` would have
+        fitted is skipped too (conservative). Every process holds every
+        preconditioned gradient after the gather, so all take the same
+        decision.
+        """
+        halves = [(block.name, p.grad) for block in self.blocks
+                  for p in block.params() if p.grad is not None
+                  and p.grad.dtype == numpy.float16]
+        if not halves:
+            return True
+        names = [name for (name, _), finite in zip(
+            halves, all_finite([grad for _, grad in halves]))
+            if not finite]
+        if not names:
+            return True
+        if self._loss_scaling_is_dynamic:
+            self._loss_scaling_isnan = self._loss_scaling_isnan_ever = True
+            self._last_nonfinite = names[0]
+            logger.warning('skipping iteration %d: the preconditioned '
+                           'gradient of %s overflows float16 at loss scale '
+                           '%g; halving the scale', self.t, names[0],
+                           self._loss_scale)
+            return False
+        raise base.NonFiniteError(
+            'the preconditioned gradient of {} overflows float16 at loss '
+            'scale {:g} (iteration {}): lower the scale, use dynamic loss '
+            'scaling (optimizer.loss_scaling()), or keep the parameters in '
+            'float32 (chainer.mixed16)'.format(names[0], self._loss_scale or 1,
+                                               self.t))
+
+    def _check_finite_gradients(self):
+        """False (skip) or an error when a gradient is NaN or Inf."""
+        named = [(name, param) for name, param in self.target.namedparams()
+                 if param.grad is not None]
+        for name, finite in zip([name for name, _ in named],
+                                all_finite([p.grad for _, p in named])):
+            if not finite:
+                if self.nonfinite == 'raise':
+                    raise base.NonFiniteError(
+                        'non-finite gradient in {} at iteration {}; pass '
+                        "nonfinite='skip' to KFAC to skip such steps"
+                        .format(name, self.t))
+                logger.warning('skipping iteration %d: non-finite gradient '
+                               'in %s', self.t, name)
+                self._last_nonfinite = name
+                return False
+        return True
+
+
+def running_statistics(target):
+    """Copies of BatchNorm running means and variances, to restore them
+    when a step is skipped."""
+    return [(array, array.copy())
+            for link in target.links()
+            if isinstance(link, L.BatchNormalization)
+            and link.avg_mean is not None
+            for array in (link.avg_mean, link.avg_var)]
+
+
+def restore(running):
+    """Puts back what :func:`running_statistics` copied."""
+    for array, saved in running:
+        array[...] = saved
+
+
+def all_finite(arrays):
+    """Whether each array is free of NaN and Inf, as a list of bools.
+
+    The flags of arrays on one device come back in one transfer: on a GPU
+    each read waits for the device, and ResNet-50 has 161 gradients.
+    """
+    if len({backend.get_device_from_array(a).name for a in arrays}) != 1:
+        return [bool(backend.get_array_module(a).isfinite(a).all())
+                for a in arrays]
+    xp = backend.get_array_module(arrays[0])
+    flags = xp.stack([xp.isfinite(a).all() for a in arrays])
+    return backend.CpuDevice().send(flags).tolist()
