@@ -10,8 +10,9 @@ ResNet-50 width/4 at 32x32, 107 blocks, so the cost model has something to
 balance) with K-FAC under :func:`chainerkfac.create_multi_node_optimizer`
 and the ``'naive'`` (MPI) communicator, factors and inverses refreshed every
 ``--interval`` steps. Per step and rank it records the stages (as in
-``step_time.py``; communication is the communicator's collectives, object
-collectives included) and the bytes each collective handed to MPI (the
+``step_time.py``, from the library's timing hook; communication is the
+communicator's collectives and the object collective of the step's
+agreement) and the bytes each collective handed to MPI (the
 optimizer reports ``comm.reset_bytes_moved()`` as ``kfac/bytes/*`` every
 step). Refresh and stale steps are reported apart; the per-rank inversion
 and preconditioning times should fall as 1/P (model parallelism).
@@ -40,9 +41,9 @@ sys.path.insert(0, HERE)
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
-import chainer.functions as F
 import numpy
 
+from chainerkfac import timing
 import harness
 import models as models_module
 
@@ -50,8 +51,6 @@ import models as models_module
 def worker(args):
     import chainermn  # NOQA
     comm = chainerkfac.create_communicator('naive')
-    harness.instrument()
-    harness.instrument_communicator(comm)
     factory, in_shape, n_classes = models_module.MODELS[args.model]
     numpy.random.seed(0)
     model = factory()
@@ -70,31 +69,19 @@ def worker(args):
     opt.setup(model)
     records = []
     for i in range(args.warmup + args.steps):
-        timer = harness.StageTimer()
+        timer = timing.StageTimer()
         observation = {}
         reporter = chainer.Reporter()
         comm.mpi_comm.Barrier()
-        with harness.use_timer(timer), reporter.scope(observation):
-            t0 = time.perf_counter()
-            model.cleargrads()
-            timer.enter('forward')
-            loss = F.softmax_cross_entropy(model(x), t)
-            timer.leave()
-            timer.enter('backward')
-            loss.backward()
-            del loss
-            timer.leave()
-            timer.enter('optimizer')
-            opt.update()
-            timer.leave()
-            total = time.perf_counter() - t0
+        with reporter.scope(observation):
+            total = harness.timed_step(model, opt, x, t, timer)
         step = opt.t
         if i < args.warmup:
             continue
         kind = 'refresh' if (step - 1) % args.interval == 0 else 'stale'
         records.append({
             'step': step, 'kind': kind, 'total': total,
-            'stages': timer.coarse(), 'fine': timer.fine(),
+            'stages': timer.coarse(), 'fine': dict(timer.totals),
             'bytes': {k.split('/')[-1]: float(v) for k, v
                       in observation.items() if k.startswith('kfac/bytes/')},
             'state_bytes': sum(b.state_bytes() for b in opt.blocks),

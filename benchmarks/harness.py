@@ -1,151 +1,25 @@
-"""Timing instruments shared by the benchmark scripts.
+"""Measuring instruments shared by the benchmark scripts.
 
-Nothing here edits the library: stage times come from wrapping the methods of
-the Fisher blocks (and of the optimizer and communicator) with timers at run
-time, which :func:`instrument` does once per process. Timers are *exclusive*:
-time spent in a nested stage (the hooks' ``forward_statistics`` inside the
-model's forward, ``update_inverse`` inside the optimizer's update) counts
-for that stage only.
-
-Stages, as in the profile figure of Osawa et al. (CVPR 2019)::
-
-    forward         the model's forward pass (without the hooks' statistics)
-    backward        backward pass (without the hooks' statistics)
-    statistics      forward_statistics + backward_statistics (the hooks),
-                    take_statistics, update_factors (EMA, change rate, checks)
-    communication   the communicator's collectives (0 in one process)
-    inversion       FisherBlock.update_inverse (building the inverse form)
-    precondition    the stages' precondition (gradient, F^-1 grad, write
-                    back; the parts of split blocks)
-    update          everything else in optimizer.update (finite-gradient
-                    checks, the momentum update rule, hooks, bookkeeping)
+Stage times come from the library's own timing hook
+(:mod:`chainerkfac.timing`): a script sets a
+:class:`chainerkfac.timing.StageTimer` as the optimizer's ``stage_timer``
+and times the forward and backward passes it runs itself with the same
+timer. Nothing here edits or patches the library.
 """
-import collections
-import contextlib
-import functools
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import numpy
 
+from chainerkfac import timing
+
 #: Coarse stages of the breakdown (column order of the tables).
-STAGES = ('forward', 'backward', 'statistics', 'communication', 'inversion',
-          'precondition', 'update')
-
-#: Fine-grained timer name -> coarse stage.
-FINE_TO_STAGE = {
-    'forward': 'forward',
-    'backward': 'backward',
-    'stats_forward': 'statistics',
-    'stats_backward': 'statistics',
-    'stats_take': 'statistics',
-    'factor_update': 'statistics',
-    'communication': 'communication',
-    'inversion': 'inversion',
-    'precondition': 'precondition',
-    'inversion_pool': 'inversion',        # patches.parallel2: a thread pool
-    'precondition_pool': 'precondition',  # timed as a whole
-    'finite_check': 'update',
-    'optimizer': 'update',
-}
-
-
-class StageTimer:
-    """Exclusive wall time per named stage, with call counts.
-
-    ``enter(name)`` / ``leave()`` nest; the time between two events goes to
-    the innermost open stage of the calling thread. Time measured on other
-    threads than the creator's (the library's per-block thread pool,
-    :mod:`chainerkfac.cpu_parallel`) is kept apart, summed over threads, in
-    :attr:`worker_totals`; :meth:`coarse` splits the wall time of the pool
-    (stage ``curvature_pool``) between the stages that ran in it, in
-    proportion to their thread-summed times.
-
-    ``synchronize`` (see :func:`synchronizer`) is called at every stage
-    boundary before the clock is read, so that a GPU's queued work counts
-    for the stage that queued it; it also costs the overlap of the host's
-    kernel launches with the device's work, so step totals are taken
-    without it unless a breakdown is asked for.
-    """
-
-    def __init__(self, synchronize=None):
-        self._synchronize = synchronize
-        self.totals = collections.defaultdict(float)
-        self.worker_totals = collections.defaultdict(float)
-        self.calls = collections.Counter()
-        self._thread = threading.get_ident()
-        self._threads = {}
-        self._lock = threading.Lock()
-
-    def _state(self):
-        tid = threading.get_ident()
-        state = self._threads.get(tid)
-        if state is None:
-            state = self._threads[tid] = [[], None]
-        return tid, state
-
-    def enter(self, name):
-        if self._synchronize is not None:
-            self._synchronize()
-        now = time.perf_counter()
-        tid, state = self._state()
-        stack = state[0]
-        totals = self.totals if tid == self._thread else self.worker_totals
-        with self._lock:
-            if stack:
-                totals[stack[-1]] += now - state[1]
-            self.calls[name] += 1
-        stack.append(name)
-        state[1] = now
-
-    def leave(self):
-        if self._synchronize is not None:
-            self._synchronize()
-        now = time.perf_counter()
-        tid, state = self._state()
-        totals = self.totals if tid == self._thread else self.worker_totals
-        with self._lock:
-            totals[state[0].pop()] += now - state[1]
-        state[1] = now
-
-    @contextlib.contextmanager
-    def stage(self, name):
-        self.enter(name)
-        try:
-            yield
-        finally:
-            self.leave()
-
-    def reset(self):
-        self.totals.clear()
-        self.worker_totals.clear()
-        self.calls.clear()
-
-    def fine(self):
-        """Main-thread stages, plus the pool's wall time split between the
-        stages that ran on worker threads."""
-        out = dict(self.totals)
-        pool = out.pop('curvature_pool', 0.0)
-        work = {k: v for k, v in self.worker_totals.items() if v > 0}
-        if pool and work:
-            total = sum(work.values())
-            for k, v in work.items():
-                out[k] = out.get(k, 0.0) + pool * v / total
-        elif pool:
-            out['optimizer'] = out.get('optimizer', 0.0) + pool
-        return out
-
-    def coarse(self):
-        out = dict.fromkeys(STAGES, 0.0)
-        for name, value in self.fine().items():
-            out[FINE_TO_STAGE.get(name, 'update')] += value
-        return out
+STAGES = timing.STAGES
 
 
 def synchronizer(device):
@@ -190,194 +64,6 @@ class DevicePeakMemory:
         return self.peak - self.base
 
 
-class _NullTimer(StageTimer):
-    def enter(self, name):
-        pass
-
-    def leave(self):
-        pass
-
-
-#: The timer the wrapped methods report to; :func:`use_timer` swaps it.
-_current = [_NullTimer()]
-
-
-@contextlib.contextmanager
-def use_timer(timer):
-    old = _current[0]
-    _current[0] = timer
-    try:
-        yield timer
-    finally:
-        _current[0] = old
-
-
-def _wrap(cls, method_name, stage):
-    original = cls.__dict__[method_name]
-    if getattr(original, '_bench_wrapped', False):
-        return
-
-    @functools.wraps(original)
-    def timed(*args, **kwargs):
-        timer = _current[0]
-        timer.enter(stage)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            timer.leave()
-    timed._bench_wrapped = True
-    timed._bench_stage = stage
-    timed._bench_original = original
-    setattr(cls, method_name, timed)
-
-
-def _wrap_function(module, name, stage):
-    original = getattr(module, name)
-    if getattr(original, '_bench_wrapped', False):
-        return
-
-    @functools.wraps(original)
-    def timed(*args, **kwargs):
-        timer = _current[0]
-        timer.enter(stage)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            timer.leave()
-    timed._bench_wrapped = True
-    timed._bench_stage = stage
-    setattr(module, name, timed)
-
-
-_instrumented = [False]
-
-
-def instrument():
-    """Wraps the library's stage methods with timers (idempotent)."""
-    if _instrumented[0]:
-        return
-    _instrumented[0] = True
-    import chainerkfac
-    from chainerkfac.curvature import base, kronecker, batch_normalization
-    plan = [
-        ('forward_statistics', 'stats_forward'),
-        ('backward_statistics', 'stats_backward'),
-        ('take_statistics', 'stats_take'),
-        ('update_factors', 'factor_update'),
-        ('update_inverse', 'inversion'),
-        ('precondition', 'precondition'),
-    ]
-    classes = [base.FisherBlock, kronecker.KroneckerBlock,
-               batch_normalization.BatchNormalizationBlock]
-    for extra in chainerkfac.curvature.registry._blocks.values():
-        if extra not in classes:
-            classes.append(extra)
-    for cls in classes:
-        for name, stage in plan:
-            if name in cls.__dict__:
-                _wrap(cls, name, stage)
-    from chainerkfac.optimizers import nonfinite
-    _wrap(nonfinite.FiniteChecks, '_check_finite_gradients', 'finite_check')
-    from chainerkfac.optimizers import stages
-    _wrap(stages.LocalStages, 'precondition', 'precondition')
-    try:
-        from chainerkfac.distributed import multi_node_optimizer
-        _wrap(multi_node_optimizer.HybridParallelStages, 'precondition',
-              'precondition')
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from chainerkfac import cpu_parallel
-        _wrap_function(cpu_parallel, 'map_blocks', 'curvature_pool')
-    except ImportError:  # a library without the per-block thread pool
-        pass
-    try:
-        from chainerkfac.distributed import communicator
-        for name in ('reduce_scatter_v', 'all_gather_v', 'alltoall_v',
-                     'allreduce_mean', 'bcast_array', 'group_bcast'):
-            if name in communicator.KfacCommunicatorMixin.__dict__:
-                _wrap(communicator.KfacCommunicatorMixin, name,
-                      'communication')
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from chainerkfac.distributed import cholesky
-        _wrap_function(cholesky, 'shared_cholesky', 'inversion')
-    except ImportError:  # a library without shared factorizations
-        pass
-
-
-def instrument_communicator(comm):
-    """Times the object collectives of one communicator instance too."""
-    for name in ('allreduce_obj', 'bcast_obj', 'allreduce_grad',
-                 'multi_node_mean_grad', 'bcast_data'):
-        if not hasattr(comm, name):
-            continue
-        original = getattr(comm, name)
-
-        def timed(*args, _original=original, **kwargs):
-            timer = _current[0]
-            timer.enter('communication')
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                timer.leave()
-        setattr(comm, name, timed)
-
-
-class Patch:
-    """A reversible set of attribute replacements (a proposed code change
-    applied at run time, for A/B runs interleaved with the original)."""
-
-    def __init__(self, name, replacements, doc=''):
-        self.name = name
-        self.replacements = replacements  # [(owner, attr, new)]
-        self.doc = doc
-        self._saved = None
-
-    def apply(self):
-        self._saved = [(owner, attr, owner.__dict__.get(attr))
-                       for owner, attr, _ in self.replacements]
-        for owner, attr, new in self.replacements:
-            old = owner.__dict__.get(attr)
-            if getattr(old, '_bench_wrapped', False):
-                new = _rewrap(new, old)
-            setattr(owner, attr, new)
-
-    def revert(self):
-        for owner, attr, old in reversed(self._saved):
-            if old is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, old)
-        self._saved = None
-
-    @contextlib.contextmanager
-    def applied(self):
-        self.apply()
-        try:
-            yield
-        finally:
-            self.revert()
-
-
-def _rewrap(new, wrapped_old):
-    """Keeps the stage timer around a replaced (already timed) method."""
-    stage = wrapped_old._bench_stage
-
-    @functools.wraps(new)
-    def timed(*args, **kwargs):
-        timer = _current[0]
-        timer.enter(stage)
-        try:
-            return new(*args, **kwargs)
-        finally:
-            timer.leave()
-    timed._bench_wrapped = True
-    timed._bench_stage = stage
-    return timed
-
-
 # -- training -----------------------------------------------------------------
 
 def train_step(model, optimizer, x, t):
@@ -393,6 +79,34 @@ def train_step(model, optimizer, x, t):
     del loss
     optimizer.update()
     return value, time.perf_counter() - t0
+
+
+def timed_step(model, optimizer, x, t, timer, synchronize=None):
+    """One classification step (as :func:`train_step`) with its stages in
+    ``timer``: the forward and backward passes timed here, K-FAC's stages
+    by its own timing hook, another optimizer's update as ``'update'``.
+    ``synchronize`` waits for a GPU before each reading of the step's
+    clock. Returns the seconds of the whole step."""
+    import chainer.functions as F
+    sync = synchronize or (lambda: None)
+    kfac = hasattr(optimizer, 'stage_timer')
+    if kfac:
+        optimizer.stage_timer = timer
+    sync()
+    t0 = time.perf_counter()
+    model.cleargrads()
+    with timer.stage('forward'):
+        loss = F.softmax_cross_entropy(model(x), t)
+    with timer.stage('backward'):
+        loss.backward()
+    del loss
+    if kfac:
+        optimizer.update()
+    else:
+        with timer.stage('update'):
+            optimizer.update()
+    sync()
+    return time.perf_counter() - t0
 
 
 # -- statistics ---------------------------------------------------------------
@@ -414,6 +128,12 @@ def fmt_s(seconds):
     if seconds >= 1:
         return '{:.2f} s'.format(seconds)
     return '{:.1f} ms'.format(seconds * 1e3)
+
+
+def fmt_spread(summary):
+    """``'median (p25-p75)'`` of a :func:`summary`, in seconds."""
+    return '{} ({}-{})'.format(fmt_s(summary['median']),
+                               fmt_s(summary['p25']), fmt_s(summary['p75']))
 
 
 def fmt_bytes(n):

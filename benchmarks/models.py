@@ -17,30 +17,15 @@ import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
 import chainer.functions as F
 import chainer.links as L
-from chainer import initializers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..', 'examples'))
 from imagenet.models import resnet_small  # NOQA: E402
+from imagenet.models.conv_bn import ConvBN  # NOQA: E402
 
 #: (in, mid, out channels, blocks, stride) of ResNet-50's bottleneck stages.
 RESNET50_STAGES = ((64, 64, 256, 3, 1), (256, 128, 512, 4, 2),
                    (512, 256, 1024, 6, 2), (1024, 512, 2048, 3, 2))
-
-
-class ConvBN(chainer.Chain):
-    """Bias-free convolution ('same' padding) followed by BatchNorm."""
-
-    def __init__(self, in_channels, out_channels, ksize, stride=1):
-        super().__init__()
-        with self.init_scope():
-            self.conv = L.Convolution2D(
-                in_channels, out_channels, ksize, stride, ksize // 2,
-                nobias=True, initialW=initializers.HeNormal())
-            self.bn = L.BatchNormalization(out_channels)
-
-    def forward(self, x):
-        return self.bn(self.conv(x))
 
 
 class Bottleneck(chainer.Chain):

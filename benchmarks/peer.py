@@ -262,9 +262,7 @@ def report(raw):
         mark = '*' if res.get('substituted') else ''
         rows.append([
             name,
-            '{} ({}-{})'.format(harness.fmt_s(res['all']['median']),
-                                harness.fmt_s(res['all']['p25']),
-                                harness.fmt_s(res['all']['p75'])),
+            harness.fmt_spread(res['all']),
             harness.fmt_s(stale['median']) if stale else '-',
             (harness.fmt_s(res['amortised']) + mark)
             if 'amortised' in res else '-',

@@ -31,26 +31,27 @@ explicit inverses that long intervals use: on ResNet-50 at 224x224 about
 4 s more per refresh, 0.04 s a step at an inverse interval of 100.) Long runs
 (``--steps`` at least the largest interval) need no substitution.
 
-Results go to ``benchmarks/results/step_time.json`` (or ``--out``).
+Stage times come from the library's timing hook (``optimizer.stage_timer``,
+:mod:`chainerkfac.timing`). Results go to
+``benchmarks/results/step_time.json`` (or ``--out``).
 """
 import argparse
 import copy
 import gc
 import os
 import sys
-import time
 import re
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
-import chainer.functions as F
 import numpy
 
 import harness
 import models as models_module
 from chainerkfac import schedules
+from chainerkfac import timing
 
 #: The StaleFisher configuration starts at this iteration (its warm-up of
 #: 500 iterations over, interval 1 + (t - 500) // 500 = 4 here).
@@ -141,8 +142,8 @@ def schedule_fractions(optimizer, start, horizon=1000):
 class Runner:
     """One configuration: its model copy, optimizer and step records."""
 
-    def __init__(self, name, model, make_optimizer, start, patch=None,
-                 device=None, sync_stages=False):
+    def __init__(self, name, model, make_optimizer, start, device=None,
+                 sync_stages=False):
         self.name = name
         self.model = model
         self.device = device or chainer.get_device('@numpy')
@@ -153,48 +154,27 @@ class Runner:
         self.optimizer.setup(model)
         self.start = start or 0
         self.optimizer.t = self.start
-        self.patch = patch
         self.records = []
         self.is_kfac = isinstance(self.optimizer,
                                   chainerkfac.optimizers.KFAC)
 
     def step(self, x, t, record):
-        sync = self.synchronize or (lambda: None)
-        timer = harness.StageTimer(sync if self.sync_stages else None)
-        model, opt = self.model, self.optimizer
-        if self.patch is not None:
-            self.patch.apply()
-        try:
-            with harness.use_timer(timer):
-                sync()
-                t0 = time.perf_counter()
-                model.cleargrads()
-                timer.enter('forward')
-                loss = F.softmax_cross_entropy(model(x), t)
-                timer.leave()
-                timer.enter('backward')
-                loss.backward()
-                del loss
-                timer.leave()
-                timer.enter('optimizer')
-                opt.update()
-                timer.leave()
-                sync()
-                total = time.perf_counter() - t0
-        finally:
-            if self.patch is not None:
-                self.patch.revert()
+        timer = timing.StageTimer(
+            self.synchronize if self.sync_stages else None)
+        opt = self.optimizer
+        total = harness.timed_step(self.model, opt, x, t, timer,
+                                   self.synchronize)
         if self.is_kfac and opt.use_kfac:
             kind = ('refresh' if timer.calls['inversion'] else
-                    'factors' if timer.calls['factor_update'] else 'stale')
+                    'factors' if timer.calls['statistics_fold'] else
+                    'stale')
             state = sum(b.state_bytes() for b in opt.blocks)
         else:
             kind, state = 'sgd', 0
         if record:
             self.records.append({
                 't': opt.t, 'kind': kind, 'total': total,
-                'stages': timer.coarse(), 'fine': timer.fine(),
-                'worker_cpu': dict(timer.worker_totals),
+                'stages': timer.coarse(), 'fine': dict(timer.totals),
                 'state_bytes': state})
         return total, kind
 
@@ -324,9 +304,7 @@ def report(model_name, batch, results, configs):
         mark = '*' if res.get('substituted') else ''
         rows.append([
             name,
-            '{} ({}-{})'.format(harness.fmt_s(res['all']['median']),
-                                harness.fmt_s(res['all']['p25']),
-                                harness.fmt_s(res['all']['p75'])),
+            harness.fmt_spread(res['all']),
             harness.fmt_s(stale['median']) if stale else '-',
             harness.fmt_s(amort) + mark if amort else '-',
             '-' if name == 'sgd' else _ratio_cell(
@@ -364,7 +342,7 @@ def report(model_name, batch, results, configs):
     return '\n'.join(lines)
 
 
-def run_model(model_name, configs, steps, warmup, batch, seed, patches,
+def run_model(model_name, configs, steps, warmup, batch, seed,
               device=None, sync_stages=False):
     device = device or chainer.get_device('@numpy')
     factory, in_shape, n_classes = models_module.MODELS[model_name]
@@ -378,14 +356,9 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches,
         prototype(x[:2])  # initialise lazily shaped parameters
     runners = []
     for name in configs:
-        base_name, _, patch_name = name.partition('+')
-        desc, make, start = CONFIGS[base_name]
-        patch = None
-        if patch_name:
-            import patches as patches_module
-            patch = patches_module.PATCHES[patch_name]()
+        desc, make, start = CONFIGS[name]
         runners.append(Runner(name, copy.deepcopy(prototype), make, start,
-                              patch, device, sync_stages))
+                              device, sync_stages))
     x, t = device.send(x), device.send(t)
     order_rng = numpy.random.RandomState(seed + 1)
     for i in range(warmup + steps):
@@ -415,9 +388,7 @@ def run_model(model_name, configs, steps, warmup, batch, seed, patches,
             'batch': batch, 'input_shape': list(in_shape),
             'n_params': int(sum(p.size for p in runners[0].model.params())),
             'n_blocks': len(blocks), 'steps': steps, 'warmup': warmup,
-            'configs': {n: CONFIGS[n.partition('+')[0]][0]
-                        + (' + patch ' + n.partition('+')[2]
-                           if '+' in n else '') for n in configs}}
+            'configs': {n: CONFIGS[n][0] for n in configs}}
     return info, results, runners
 
 
@@ -430,8 +401,7 @@ def peak_device_memory(prototype, configs, device, x, t, steps=2):
     pool = cupy.get_default_memory_pool()
     peaks = {}
     for name in configs:
-        base_name = name.partition('+')[0]
-        _, make, start = CONFIGS[base_name]
+        _, make, start = CONFIGS[name]
         gc.collect()
         pool.free_all_blocks()
         with harness.DevicePeakMemory() as peak:
@@ -451,9 +421,7 @@ def main(argv=None):
                         help='comma-separated, from: ' +
                         ', '.join(models_module.MODELS))
     parser.add_argument('--configs', default=','.join(DEFAULT_CONFIGS),
-                        help='comma-separated, from: ' + ', '.join(CONFIGS)
-                        + "; 'NAME+PATCH' runs NAME with a patch from "
-                        'benchmarks/patches.py applied')
+                        help='comma-separated, from: ' + ', '.join(CONFIGS))
     parser.add_argument('--steps', type=int, default=None,
                         help='timed rounds (one step of every config each)')
     parser.add_argument('--warmup', type=int, default=1,
@@ -495,9 +463,8 @@ def main(argv=None):
     if configs[0] != 'sgd':
         configs = ['sgd'] + [c for c in configs if c != 'sgd']
     for c in configs:
-        if c.partition('+')[0] not in CONFIGS:
+        if c not in CONFIGS:
             parser.error('unknown config {!r}'.format(c))
-    harness.instrument()
     payload = {'script': 'step_time', 'argv': sys.argv[1:] if argv is None
                else argv, 'environment': harness.environment(device),
                'models': {}}
@@ -507,7 +474,7 @@ def main(argv=None):
         print('== {} (batch {}, {} timed rounds of {} configs) =='.format(
             model_name, batch, steps, len(configs)), flush=True)
         info, results, _ = run_model(model_name, configs, steps,
-                                     args.warmup, batch, args.seed, None,
+                                     args.warmup, batch, args.seed,
                                      device, args.sync_stages)
         text = report(model_name, batch, results, configs)
         print(text, flush=True)

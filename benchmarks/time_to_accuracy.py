@@ -38,6 +38,7 @@ import chainer.links as L
 import numpy
 
 import harness
+import models
 
 
 WIDTHS = (8, 16, 32)
@@ -59,26 +60,10 @@ class TeacherCNN(chainer.Chain):
         return self.fc(F.average(h, axis=(2, 3)))
 
 
-class StudentCNN(chainer.Chain):
-    """conv-BN-ReLU x3 (3x3; strides 1, 2, 2), average pooling, FC."""
-
-    def __init__(self, widths=WIDTHS, n_classes=10):
-        super().__init__()
-        c1, c2, c3 = widths
-        with self.init_scope():
-            self.conv1 = L.Convolution2D(3, c1, 3, 1, 1, nobias=True)
-            self.bn1 = L.BatchNormalization(c1)
-            self.conv2 = L.Convolution2D(c1, c2, 3, 2, 1, nobias=True)
-            self.bn2 = L.BatchNormalization(c2)
-            self.conv3 = L.Convolution2D(c2, c3, 3, 2, 1, nobias=True)
-            self.bn3 = L.BatchNormalization(c3)
-            self.fc = L.Linear(c3, n_classes)
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        h = F.relu(self.bn2(self.conv2(h)))
-        h = F.relu(self.bn3(self.conv3(h)))
-        return self.fc(F.average(h, axis=(2, 3)))
+def StudentCNN(widths=WIDTHS, n_classes=10):
+    """conv-BN-ReLU x3 (3x3; strides 1, 2, 2), average pooling, FC: the
+    benchmarks' :class:`models.SmallCNN` on colour images."""
+    return models.SmallCNN(n_classes, 3, widths)
 
 
 def teacher_data(n_train, n_val, seed=1234, margin=0.0):

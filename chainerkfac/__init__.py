@@ -5,13 +5,11 @@ is applied before Chainer is imported (see :mod:`chainerkfac._compat`).
 """
 from chainerkfac import _compat  # NOQA  (must precede any Chainer import)
 
+# The public packages: what a user imports or names in an option.
 from chainerkfac import curvature  # NOQA
-from chainerkfac import cpu_parallel  # NOQA
 from chainerkfac import divergence  # NOQA
-from chainerkfac import linalg  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import schedules  # NOQA
-from chainerkfac import update_norm  # NOQA
 from chainerkfac.curvature import NonFiniteError  # NOQA
 from chainerkfac.divergence import DivergenceError  # NOQA
 from chainerkfac.divergence import DivergenceWarning  # NOQA
@@ -19,3 +17,7 @@ from chainerkfac.distributed import create_communicator  # NOQA
 from chainerkfac.distributed import create_multi_node_optimizer  # NOQA
 
 __version__ = '0.1.0'
+
+__all__ = ['curvature', 'divergence', 'optimizers', 'schedules',
+           'NonFiniteError', 'DivergenceError', 'DivergenceWarning',
+           'create_communicator', 'create_multi_node_optimizer']

@@ -23,16 +23,18 @@ class OutputGradientHook(chainer.FunctionHook):
 
     name = 'chainerkfac_output_gradient'
 
-    def __init__(self, block, context, output_index):
+    def __init__(self, block, context, output_index, timing):
         self.block = block
         self.context = context
         self.output_index = output_index
+        self.timing = timing
 
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
         if gy is not None:
-            self.block.backward_statistics(self.context, linalg.widened(gy),
-                                           function)
+            with self.timing('statistics_backward'):
+                self.block.backward_statistics(
+                    self.context, linalg.widened(gy), function)
 
 
 class StatisticsHook(chainer.LinkHook):
@@ -42,6 +44,8 @@ class StatisticsHook(chainer.LinkHook):
         blocks (dict): ``id(link) -> FisherBlock``.
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
+        timing (callable): ``timing(stage)``, a context that times a stage
+            (:meth:`KFAC.timing <chainerkfac.optimizers.KFAC.timing>`).
 
     The samples of the training forward passes since the last step are
     counted per link (its input's first axis); :meth:`take_batch_size`
@@ -50,9 +54,10 @@ class StatisticsHook(chainer.LinkHook):
 
     name = 'chainerkfac_statistics'
 
-    def __init__(self, blocks, next_step):
+    def __init__(self, blocks, next_step, timing):
         self.blocks = blocks
         self.next_step = next_step
+        self.timing = timing
         self._samples = {}
 
     def forward_postprocess(self, args):
@@ -68,8 +73,9 @@ class StatisticsHook(chainer.LinkHook):
         wanted = block.wanted(self.next_step())
         if not wanted:
             return
-        context = block.forward_statistics(linalg.widened(
-            x.array if isinstance(x, chainer.Variable) else x), wanted)
+        with self.timing('statistics_forward'):
+            context = block.forward_statistics(linalg.widened(
+                x.array if isinstance(x, chainer.Variable) else x), wanted)
         if context is None:
             return
         out = args.out
@@ -77,7 +83,8 @@ class StatisticsHook(chainer.LinkHook):
         if node is None:
             return
         index = [ref() for ref in node.outputs].index(out.node)
-        node.add_hook(OutputGradientHook(block, context, index))
+        node.add_hook(OutputGradientHook(block, context, index,
+                                         self.timing))
 
     def take_batch_size(self):
         """Samples fed since the last call, or ``None`` if none: all the

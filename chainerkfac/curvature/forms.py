@@ -83,6 +83,27 @@ class KroneckerInverses(Form):
         return linalg.kronecker_precondition(grad, self.arrays['A_inv'],
                                              self.arrays['G_inv'])
 
+    def sides(self):
+        """``(A_d⁻¹, G_d⁻¹)``."""
+        return self.arrays['A_inv'], self.arrays['G_inv']
+
+    @classmethod
+    def from_sides(cls, A_side, G_side, damping=None):
+        """The form of :meth:`sides` ``(A_side, G_side)``."""
+        return cls({'A_inv': A_side, 'G_inv': G_side}, damping)
+
+    def columns(self, start, stop):
+        """The form whose :meth:`apply` gives columns ``start:stop`` of
+        ``V``: ``G_d⁻¹ ∇W̄ A_d⁻¹[:, J]``."""
+        A, G = self.sides()
+        return type(self).from_sides(A[:, start:stop], G, self.damping)
+
+    def rows(self, start, stop):
+        """The form whose :meth:`apply` gives rows ``start:stop`` of
+        ``V``: ``G_d⁻¹[I, :] ∇W̄ A_d⁻¹``."""
+        A, G = self.sides()
+        return type(self).from_sides(A, G[start:stop], self.damping)
+
 
 class KroneckerCholesky(Form):
     """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` by triangular solves with the Cholesky
@@ -141,8 +162,41 @@ class KroneckerMixed(Form):
         arrays[self.cholesky + '_chol'] = L
         return KroneckerMixed(arrays, self.damping)
 
+    @property
+    def cholesky_factor(self):
+        """The Cholesky factor (or, left to others, the damped factor)."""
+        return self.arrays[self.cholesky + '_chol']
+
     def apply(self, grad):
         return linalg.mixed_precondition(grad, **self.arrays)
+
+    def sides(self):
+        """``(A's array, G's array)``: one inverse, one Cholesky factor."""
+        return tuple(self.arrays[f + ('_chol' if f == self.cholesky
+                                      else '_inv')] for f in 'AG')
+
+    @classmethod
+    def from_sides(cls, A_side, G_side, cholesky, damping=None):
+        """The form of :meth:`sides` ``(A_side, G_side)``, ``cholesky``
+        naming the factor kept as a Cholesky factor."""
+        other = 'G' if cholesky == 'A' else 'A'
+        sides = {'A': A_side, 'G': G_side}
+        return cls({cholesky + '_chol': sides[cholesky],
+                    other + '_inv': sides[other]}, damping)
+
+    def columns(self, start, stop):
+        """As :meth:`KroneckerInverses.columns`; ``A`` must be the
+        inverted factor."""
+        return KroneckerMixed({'A_inv': self.arrays['A_inv'][:, start:stop],
+                               'G_chol': self.arrays['G_chol']},
+                              self.damping)
+
+    def rows(self, start, stop):
+        """As :meth:`KroneckerInverses.rows`; ``G`` must be the inverted
+        factor."""
+        return KroneckerMixed({'A_chol': self.arrays['A_chol'],
+                               'G_inv': self.arrays['G_inv'][start:stop]},
+                              self.damping)
 
 
 class KroneckerEigen(Form):

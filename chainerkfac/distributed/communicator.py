@@ -35,11 +35,13 @@ implementation it is asked for, so ``import chainerkfac.distributed`` works
 on a machine with neither.
 """
 import abc
+import functools
 
 import numpy
 
 import chainer
 
+from chainerkfac import timing
 from chainerkfac.distributed import scaling
 
 
@@ -48,6 +50,16 @@ from chainerkfac.distributed import scaling
 #: ``bcast_array``, ``bcast_data`` and ``group_bcast``.
 COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
                'bcast')
+
+
+def _communication(collective):
+    """Times ``collective`` as the ``'communication'`` stage of the
+    communicator's :attr:`~KfacCommunicatorMixin.stage_timer`."""
+    @functools.wraps(collective)
+    def timed(self, *args, **kwargs):
+        with timing.timed(self.stage_timer, 'communication'):
+            return collective(self, *args, **kwargs)
+    return timed
 
 
 class KfacCommunicatorMixin(abc.ABC):
@@ -73,6 +85,10 @@ class KfacCommunicatorMixin(abc.ABC):
     collectives (``bcast_obj``, ...) and ChainerMN's experimental array
     primitives (``allreduce``, ``bcast``, ...) are not counted.
     """
+
+    #: A :class:`~chainerkfac.timing.StageTimer` the collectives add their
+    #: time to (the distributed stages set the optimizer's), or ``None``.
+    stage_timer = None
 
     # The transport an implementation supplies.
 
@@ -161,6 +177,7 @@ class KfacCommunicatorMixin(abc.ABC):
 
     # The K-FAC collectives.
 
+    @_communication
     def reduce_scatter_v(self, sendbuf, counts, groups=None):
         """Sums over ranks and scatters uneven segments (paper §3.3, stage 3).
 
@@ -196,6 +213,7 @@ class KfacCommunicatorMixin(abc.ABC):
         return self._decode(recvbuf, sendbuf.dtype, scales,
                             sum(counts[:self.rank]))
 
+    @_communication
     def all_gather_v(self, sendbuf, counts, groups=None):
         """Gathers uneven segments onto every rank (paper §3.3, stage 6).
 
@@ -231,6 +249,7 @@ class KfacCommunicatorMixin(abc.ABC):
         self._count('all_gather_v', recvbuf.nbytes)
         return self._decode(recvbuf, sendbuf.dtype, scales, 0)
 
+    @_communication
     def alltoall_v(self, sendbuf, counts):
         """Sends every rank its own uneven segment; receives one from each.
 
@@ -256,6 +275,7 @@ class KfacCommunicatorMixin(abc.ABC):
             sum(counts) - counts[self.rank]))
         return recvbuf, recv_counts
 
+    @_communication
     def allreduce_mean(self, array):
         """Replaces ``array`` by its mean over ranks, in place, and returns
         it: gradients of parameters outside the K-FAC blocks, and statistics
@@ -269,6 +289,7 @@ class KfacCommunicatorMixin(abc.ABC):
         self._count('allreduce', array.nbytes)
         return array
 
+    @_communication
     def bcast_array(self, array, root=0):
         """Overwrites ``array`` with its value on ``root``, in place, and
         returns it. Every rank passes an array of the same shape and
@@ -280,6 +301,7 @@ class KfacCommunicatorMixin(abc.ABC):
         self._count('bcast', array.nbytes)
         return array
 
+    @_communication
     def group_bcast(self, array, root, ranks, wait=True):
         """Overwrites ``array`` with its value on ``root`` on the ``ranks``
         only, in place.
@@ -318,6 +340,7 @@ class KfacCommunicatorMixin(abc.ABC):
 
     # ChainerMN's model-wide collectives, counted and free at size 1.
 
+    @_communication
     def multi_node_mean_grad(self, model, zero_fill=False):
         """ChainerMN's gradient averaging, counted in :attr:`bytes_moved`
         and free at world size 1."""
@@ -332,6 +355,7 @@ class KfacCommunicatorMixin(abc.ABC):
             param.grad.size * self._grad_wire_itemsize(param.grad)
             for param in model.params() if param.grad is not None))
 
+    @_communication
     def bcast_data(self, model):
         """ChainerMN's parameter broadcast from rank 0, counted in
         :attr:`bytes_moved` and free at world size 1."""

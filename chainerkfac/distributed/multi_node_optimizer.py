@@ -30,6 +30,7 @@ from chainer import backend
 
 from chainerkfac import cpu_parallel
 from chainerkfac import linalg
+from chainerkfac import timing
 from chainerkfac import update_norm
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import buffers
@@ -111,6 +112,7 @@ class HybridParallelStages(stages.Stages):
         return self.comm.rank, self.comm.size
 
     def prepare(self, optimizer):
+        self.comm.stage_timer = optimizer.stage_timer
         if self._needs_broadcast:
             self._broadcast_parameters(optimizer)
         hooks = optimizer.whole_model_hooks()
@@ -151,8 +153,9 @@ class HybridParallelStages(stages.Stages):
             self._assign(optimizer)
         blocks = optimizer.blocks
         grads = [block.gradient() for block in blocks]
-        parts, sizes = self._layout.pack_reduce(blocks, grads,
-                                                optimizer.loss_scale)
+        with optimizer.timing('statistics_fold'):
+            parts, sizes = self._layout.pack_reduce(blocks, grads,
+                                                    optimizer.loss_scale)
         xp = backend.get_array_module(grads[0])
         # One transport scale per gradient and per factor.
         groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
@@ -170,10 +173,12 @@ class HybridParallelStages(stages.Stages):
         for link in self._running_statistics:
             replicated += [link.avg_mean, link.avg_var]
         buffers.average_replicated(self.comm, replicated)
-        return self._layout.unpack_reduce(blocks, mine, self.split.parts)
+        with optimizer.timing('statistics_fold'):
+            return self._layout.unpack_reduce(blocks, mine, self.split.parts)
 
     def agree(self, ok):
-        return bool(self.comm.allreduce_obj(int(not ok)) == 0)
+        with timing.timed(self.comm.stage_timer, 'communication'):
+            return bool(self.comm.allreduce_obj(int(not ok)) == 0)
 
     # -- stages 4-6 -----------------------------------------------------------
 
@@ -185,7 +190,9 @@ class HybridParallelStages(stages.Stages):
         """The parts of split blocks travel from their owners to the other
         ranks of each block (:meth:`SplitBlocks.share
         <chainerkfac.distributed.split.SplitBlocks.share>`)."""
-        self.split.share(optimizer.blocks, refreshed)
+        if self.split.splits:
+            with optimizer.timing('inversion'):
+                self.split.share(optimizer.blocks, refreshed)
 
     def precondition(self, optimizer, weight_decay):
         blocks = optimizer.blocks

@@ -100,33 +100,34 @@ class Split:
         start, stop = self.bounds[s]
         return matrix[:, start:stop] if self.columns else matrix[start:stop]
 
-    def _sliced(self):
-        """The key of the inverse the parts slice."""
-        return 'A_inv' if self.columns else 'G_inv'
-
     def part_form(self, form, s):
         """Part ``s`` of the block's ``form``: its inverse sliced, the
-        other array whole; ``form.apply(∇)`` then gives the part's rows or
+        other array whole; ``apply(∇)`` then gives the part's rows or
         columns of ``V``."""
         start, stop = self.bounds[s]
-        arrays = dict(form.arrays)
-        key = self._sliced()
-        arrays[key] = (arrays[key][:, start:stop] if self.columns
-                       else arrays[key][start:stop])
-        return type(form)(arrays, form.damping)
+        if self.columns:
+            return form.columns(start, stop)
+        return form.rows(start, stop)
 
     def part_shapes(self, s):
-        """``{key: shape}`` of :meth:`part_form`'s arrays."""
+        """``(shape of A's array, shape of G's array)`` in part ``s``'s
+        form."""
         start, stop = self.bounds[s]
         d_A, d_G = self.dims['A'], self.dims['G']
-        whole = '_inv' if self.explicit else '_chol'
         if self.columns:
-            return {'A_inv': (d_A, stop - start), 'G' + whole: (d_G, d_G)}
-        return {'A' + whole: (d_A, d_A), 'G_inv': (stop - start, d_G)}
+            return (d_A, stop - start), (d_G, d_G)
+        return (d_A, d_A), (stop - start, d_G)
 
-    def part_kind(self):
-        return forms.KroneckerInverses if self.explicit else \
-            forms.KroneckerMixed
+    def triangular(self):
+        """Whether A's and G's arrays are lower triangular (a Cholesky
+        factor travels as its triangle, half the bytes)."""
+        return self.cholesky == 'A', self.cholesky == 'G'
+
+    def form_of(self, A_side, G_side):
+        """The part's form from its arrays."""
+        if self.explicit:
+            return forms.KroneckerInverses.from_sides(A_side, G_side)
+        return forms.KroneckerMixed.from_sides(A_side, G_side, self.cholesky)
 
     def factor_ranks(self):
         """The ranks that factor the larger factor together: the owner,
@@ -136,16 +137,16 @@ class Split:
             and not self.empty(s))
 
 
-def _pack(key, array):
+def _pack(array, triangular):
     # A lower Cholesky factor travels as its triangle, half the bytes.
-    if key.endswith('_chol'):
+    if triangular:
         return linalg.pack_symmetric(array.T)
     return array.ravel()
 
 
-def _unpack(key, flat, shape):
+def _unpack(flat, shape, triangular):
     """``(array, elements read)``."""
-    if key.endswith('_chol'):
+    if triangular:
         xp = backend.get_array_module(flat)
         d = shape[0]
         size = d * (d + 1) // 2
@@ -198,20 +199,21 @@ class SplitBlocks:
                 if s > 0 and holder == rank and not split.empty(s)]
 
     def _message(self, block, i, s, dest, fresh):
-        """``(Delivery, [(key, array)])`` for part ``s`` of block ``i``."""
+        """``(Delivery, [(array, triangular)])`` for part ``s`` of block
+        ``i``: A's and G's arrays of the part's form, or, for a shared
+        factorization, the inverse's slice and ``dest``'s panels of the
+        larger damped factor."""
         split = self.splits[i]
         if split.shared and id(block) in fresh:
             part = split.part_form(block.form, s)
-            chol = split.cholesky + '_chol'
-            panels = cholesky.lower_panels(
-                block.form.arrays[chol], split.factor_ranks(), dest)
-            return Delivery.PANELS, [
-                (key, part.arrays[key]) for key in sorted(part.arrays)
-                if key != chol] + [('panel', panels[p])
-                                   for p in sorted(panels)]
+            inverse = part.sides()[0 if split.cholesky == 'G' else 1]
+            panels = cholesky.lower_panels(block.form.cholesky_factor,
+                                           split.factor_ranks(), dest)
+            return Delivery.PANELS, [(inverse, False)] + [
+                (panels[p], False) for p in sorted(panels)]
         if block.ready() and (self._send_all or id(block) in fresh):
             part = split.part_form(block.form, s)
-            return Delivery.PART, sorted(part.arrays.items())
+            return Delivery.PART, list(zip(part.sides(), split.triangular()))
         return Delivery.NOTHING, []
 
     def share(self, blocks, refreshed):
@@ -231,7 +233,7 @@ class SplitBlocks:
                     continue
                 delivery, arrays = self._message(blocks[i], i, s, dest, fresh)
                 packed = [xp.asarray([int(delivery)], dtype=dtype)] + [
-                    _pack(key, array) for key, array in arrays]
+                    _pack(array, triangular) for array, triangular in arrays]
                 parts += packed
                 counts[dest] += sum(a.size for a in packed)
         send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
@@ -247,39 +249,45 @@ class SplitBlocks:
                 if delivery == Delivery.NOTHING:
                     continue
                 split = self.splits[i]
-                shapes = split.part_shapes(s)
+                sides = list(zip(split.part_shapes(s), split.triangular()))
                 if delivery == Delivery.PANELS:
-                    chol = split.cholesky + '_chol'
-                    del shapes[chol]
-                arrays = {}
-                for key in sorted(shapes):
-                    arrays[key], size = _unpack(key, received[offset:],
-                                                shapes[key])
+                    # Only the inverse's slice; the other side is factored.
+                    sides = [side for side in sides if not side[1]]
+                arrays = []
+                for shape, triangular in sides:
+                    array, size = _unpack(received[offset:], shape,
+                                          triangular)
+                    arrays.append(array)
                     offset += size
                 if delivery == Delivery.PANELS:
                     panels[i] = {}
                     for p, shape in sorted(cholesky.panel_shapes(
                             split.dims[split.cholesky], split.factor_ranks(),
                             rank).items()):
-                        panels[i][p], size = _unpack('panel',
-                                                     received[offset:], shape)
+                        panels[i][p], size = _unpack(received[offset:],
+                                                     shape, False)
                         offset += size
-                self._received[i] = (split.part_kind(), arrays)
+                    self._received[i] = arrays[0]
+                else:
+                    self._received[i] = split.form_of(*arrays)
         for i, split in self.splits.items():
             block = blocks[i]
             ranks = split.factor_ranks()
-            if owners[i] == rank and split.shared and block in refreshed:
-                M = block.form.arrays[split.cholesky + '_chol']
+            if owners[i] == rank and split.shared and id(block) in fresh:
+                M = block.form.cholesky_factor
                 block.form = block.form.with_cholesky(
                     cholesky.shared_cholesky(
                         self.comm, ranks, len(M),
                         cholesky.lower_panels(M, ranks, rank), M,
                         lambda: cholesky_alone(block, split)))
             elif i in panels:
-                kind, arrays = self._received[i]
-                arrays[split.cholesky + '_chol'] = cholesky.shared_cholesky(
+                L = cholesky.shared_cholesky(
                     self.comm, ranks, split.dims[split.cholesky], panels[i],
                     received, None)
+                inverse = self._received[i]
+                self._received[i] = split.form_of(
+                    *((L, inverse) if split.cholesky == 'A'
+                      else (inverse, L)))
 
     def part_form(self, block, i):
         """This rank's form for its part of block ``i``, or ``None`` before
@@ -288,5 +296,4 @@ class SplitBlocks:
         if s == 0:
             return (self.splits[i].part_form(block.form, 0)
                     if block.ready() else None)
-        received = self._received.get(i)
-        return None if received is None else received[0](received[1], None)
+        return self._received.get(i)

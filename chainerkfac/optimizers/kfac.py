@@ -21,6 +21,7 @@ from chainer.optimizers import momentum_sgd
 from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
+from chainerkfac import timing as timing_module
 from chainerkfac import update_norm
 from chainerkfac.curvature import base
 from chainerkfac.curvature import registry
@@ -177,6 +178,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         self.use_kfac = bool(precondition)
+        #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
+        #: time of its stages to, or ``None`` (no timing).
+        self.stage_timer = None
         self.blocks = []
         self._hook = None
         self._stages = stages_module.LocalStages()
@@ -192,6 +196,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
+
+    def timing(self, stage):
+        """A context that adds its wall time to ``stage`` of
+        :attr:`stage_timer` (:mod:`chainerkfac.timing`)."""
+        return timing_module.timed(self.stage_timer, stage)
 
     @property
     def loss_scale(self):
@@ -223,7 +232,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             batch_subsample=self.batch_subsample)
         self.blocks, self._unsupported = registry.blocks_of(link, options)
         by_link = {id(block.link): block for block in self.blocks}
-        self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1)
+        self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1,
+                                          self.timing)
         for block in self.blocks:
             if self._hook.name in block.link.local_link_hooks:
                 block.link.delete_hook(self._hook.name)
@@ -300,7 +310,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         running = [] if lossfun is None else \
             nonfinite.running_statistics(self.target)
         try:
-            taken, mean_loss, scale = self._step(lossfun, args, kwds)
+            with self.timing('update'):
+                taken, mean_loss, scale = self._step(lossfun, args, kwds)
         except BaseException:
             nonfinite.restore(running)
             raise
@@ -330,8 +341,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             losses = []
             for chunk_args, chunk_kwds in accumulation.micro_batches(
                     args, kwds, self.acc_iters):
-                loss = lossfun(*chunk_args, **chunk_kwds)
-                loss.backward(loss_scale=self._loss_scale)
+                with self.timing('forward'):
+                    loss = lossfun(*chunk_args, **chunk_kwds)
+                with self.timing('backward'):
+                    loss.backward(loss_scale=self._loss_scale)
                 losses.append(loss.array)
                 del loss
             mean_loss = float(sum(losses)) / len(losses)
@@ -359,6 +372,22 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.update_loss_scale()
         return taken, mean_loss, scale
 
+    def _fold(self, block, stats):
+        """``block.update_factors``; under ``nonfinite='skip'`` non-finite
+        statistics are dropped (and counted as a refresh, as the other
+        processes count it: they follow the owner's schedule)."""
+        try:
+            return block.update_factors(self.t, stats,
+                                        self.hyperparam.cov_ema_decay)
+        except base.NonFiniteError:
+            if self.nonfinite == 'raise':
+                raise
+            logger.warning('iteration %d: dropped non-finite statistics of '
+                           '%s', self.t, block.name)
+            for f in stats:
+                block.schedules[f].mark(self.t)
+            return {}
+
     def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
@@ -375,31 +404,28 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         hp = self.hyperparam
         rates = {}
         owned = self._stages.owned(self.blocks)
-        for block in owned:
-            if block in stats:
-                try:
-                    rates[block] = block.update_factors(
-                        step, stats[block], hp.cov_ema_decay)
-                except base.NonFiniteError:
-                    if self.nonfinite == 'raise':
-                        raise
-                    logger.warning('iteration %d: dropped non-finite '
-                                   'statistics of %s', step, block.name)
-                    # Counted as refreshed, as the other processes count
-                    # it (they follow the owner's schedule).
-                    for f in stats[block]:
-                        block.schedules[f].mark(step)
+        if stats:
+            with self.timing('statistics_fold'):
+                for block in owned:
+                    if block in stats:
+                        rates[block] = self._fold(block, stats[block])
 
         due = [block for block in owned
                if block.inverse_due(step, block.effective_damping(hp))]
-        refreshed = [block for block, done in zip(due, cpu_parallel.map_blocks(
-            lambda block: block.update_inverse(
-                step, block.effective_damping(hp)),
-            due, cpu_parallel.block_work('inverse_cost'))) if done]
+        refreshed = []
+        if due:
+            with self.timing('inversion'):
+                refreshed = [block for block, done in zip(
+                    due, cpu_parallel.map_blocks(
+                        lambda block: block.update_inverse(
+                            step, block.effective_damping(hp)),
+                        due, cpu_parallel.block_work('inverse_cost')))
+                    if done]
         self._stages.share_inverses(self, refreshed)
-        # The gradients carry the loss scale; the decay term must too.
-        inner = self._stages.precondition(
-            self, hp.weight_decay * (self._loss_scale or 1))
+        with self.timing('precondition'):
+            # The gradients carry the loss scale; the decay term must too.
+            inner = self._stages.precondition(
+                self, hp.weight_decay * (self._loss_scale or 1))
         inner, batch = self._stages.gather(self, (inner, samples or 0))
         kl = update_norm.kl_estimate(inner, hp.lr, self._loss_scale)
         nu = update_norm.scale(kl, update_norm.bound(

@@ -94,11 +94,13 @@ class LocalStages(Stages):
             refuse_under_mpi()
 
     def reduce(self, optimizer):
-        stats = {}
-        for block in optimizer.blocks:
-            if block.has_pending_statistics():
-                stats[block] = block.take_statistics(optimizer.loss_scale)
-        return stats
+        pending = [block for block in optimizer.blocks
+                   if block.has_pending_statistics()]
+        if not pending:
+            return {}
+        with optimizer.timing('statistics_fold'):
+            return {block: block.take_statistics(optimizer.loss_scale)
+                    for block in pending}
 
     def agree(self, ok):
         return ok

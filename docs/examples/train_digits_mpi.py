@@ -18,42 +18,12 @@ import argparse
 
 import chainerkfac  # first: makes Chainer 7.8.1 import on NumPy 2
 import chainer
-import chainer.functions as F
 import chainer.links as L
 import chainermn
-import numpy
 from chainer import training
 from chainer.training import extensions
-from sklearn.datasets import load_digits
-
-
-class CNN(chainer.Chain):
-    """Two conv-BN-ReLU layers and a linear classifier."""
-
-    def __init__(self, n_out=10):
-        super().__init__()
-        with self.init_scope():
-            self.conv1 = L.Convolution2D(1, 16, ksize=3, pad=1)
-            self.bn1 = L.BatchNormalization(16)
-            self.conv2 = L.Convolution2D(16, 32, ksize=3, stride=2, pad=1)
-            self.bn2 = L.BatchNormalization(32)
-            self.fc = L.Linear(32 * 4 * 4, n_out)
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        h = F.relu(self.bn2(self.conv2(h)))
-        return self.fc(h)
-
-
-def digits(n_test=397, seed=0):
-    """Shuffled train and test sets of (1x8x8 image in [0, 1], label)."""
-    data = load_digits()
-    x = (data.images / 16).astype(numpy.float32)[:, None]
-    t = data.target.astype(numpy.int32)
-    order = numpy.random.RandomState(seed).permutation(len(x))
-    x, t = x[order], t[order]
-    return (chainer.datasets.TupleDataset(x[n_test:], t[n_test:]),
-            chainer.datasets.TupleDataset(x[:n_test], t[:n_test]))
+# The single-process example's model and data (this script's folder).
+from train_digits import CNN, digits
 
 
 def main():

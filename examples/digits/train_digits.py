@@ -9,47 +9,32 @@ curves and saves them as ``OUT/digits.png``. The only difference between the
 two runs is the line that builds the optimizer.
 """
 import argparse
+import importlib.util
 import json
 import os
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
-import chainer.functions as F
 import chainer.links as L
 import numpy
 from chainer import training
 from chainer.training import extensions
 
 
-class SmallCNN(chainer.Chain):
-    """conv-BN-relu x2 and a linear classifier: every link gets K-FAC."""
-
-    def __init__(self, n_out=10):
-        super().__init__()
-        with self.init_scope():
-            self.conv1 = L.Convolution2D(1, 16, 3, pad=1)
-            self.bn1 = L.BatchNormalization(16)
-            self.conv2 = L.Convolution2D(16, 32, 3, stride=2, pad=1)
-            self.bn2 = L.BatchNormalization(32)
-            self.fc = L.Linear(32 * 4 * 4, n_out)
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        h = F.relu(self.bn2(self.conv2(h)))
-        return self.fc(h)
+def _getting_started():
+    """``docs/examples/train_digits.py``, the getting-started example, whose
+    model and data this comparison shares."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..',
+                        '..', 'docs', 'examples', 'train_digits.py')
+    spec = importlib.util.spec_from_file_location('getting_started', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def load_digits(seed=0):
-    """Train/validation split of the 1,797 digits, scaled to [0, 1]."""
-    from sklearn.datasets import load_digits as sklearn_digits
-    digits = sklearn_digits()
-    x = (digits.images / 16.0).astype(numpy.float32)[:, None]
-    y = digits.target.astype(numpy.int32)
-    order = numpy.random.RandomState(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    n_val = 397
-    return (chainer.datasets.TupleDataset(x[n_val:], y[n_val:]),
-            chainer.datasets.TupleDataset(x[:n_val], y[:n_val]))
+_EXAMPLE = _getting_started()
+#: The small CNN with BatchNorm and the digits' train/validation split.
+SmallCNN, load_digits = _EXAMPLE.CNN, _EXAMPLE.digits
 
 
 OPTIMIZERS = {

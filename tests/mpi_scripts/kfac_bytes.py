@@ -163,8 +163,9 @@ def main_split():
                 sent += 1
                 if not refresh:
                     continue
-                for key, shape in layout.part_shapes(s).items():
-                    if not key.endswith('_chol'):
+                for shape, triangular in zip(layout.part_shapes(s),
+                                             layout.triangular()):
+                    if not triangular:
                         sent += int(numpy.prod(shape))
                     elif shared:  # the part's panels instead
                         sent += panels(rank)
