@@ -273,21 +273,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         (a schedule by its ``repr``, a plain function by its name), for
         comparing processes (:mod:`chainerkfac.distributed.consistency`).
         """
-        values = {name: getattr(self.hyperparam, name)
-                  for name in options.HYPERPARAMETER_RULES}
-        values.update(
-            inverse=self.inverse, bn_fisher=self.bn_fisher,
-            factor_interval_A=self.factor_interval['A'],
-            factor_interval_G=self.factor_interval['G'],
-            inverse_interval=self.inverse_interval, acc_iters=self.acc_iters,
-            spatial_subsample=self.spatial_subsample,
-            batch_subsample=self.batch_subsample,
-            kl_clip_batch=self.kl_clip_batch, nonfinite=self.nonfinite,
-            divergence=self.divergence,
-            max_skipped_steps=self.max_skipped_steps,
-            precondition=self.use_kfac)
-        return {name: options.option_text(value)
-                for name, value in values.items()}
+        return options.option_values(self)
 
     # -- the step -----------------------------------------------------------
 
@@ -316,21 +302,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             nonfinite.restore(running)
             raise
         chainer.report({'kfac/skipped_steps': int(not taken)})
-        if taken:
-            self._skipped_in_a_row = 0
-            self._last_nonfinite = None
-            self._monitor.observe(self.t, mean_loss, scale)
-        else:
+        if not taken:
             nonfinite.restore(running)
-            self._skipped_in_a_row += 1
-            if self._skipped_in_a_row >= self.max_skipped_steps:
-                raise base.NonFiniteError(
-                    '{} steps in a row skipped up to iteration {} (the last '
-                    'non-finite gradient this process saw: {}); KFAC '
-                    'max_skipped_steps={}'.format(
-                        self._skipped_in_a_row, self.t,
-                        self._last_nonfinite or 'none, another process or '
-                        'the loss scaling skipped', self.max_skipped_steps))
+        self._count_skipped(taken)
+        if taken:
+            self._monitor.observe(self.t, mean_loss, scale)
 
     def _step(self, lossfun, args, kwds):
         """Gradients (with ``lossfun``), the curvature and the update rule;

@@ -22,6 +22,23 @@ class FiniteChecks:
     """The checks of :class:`~chainerkfac.optimizers.KFAC` (a mixin: it
     reads the optimizer's blocks, options and Chainer's loss scaling)."""
 
+    def _count_skipped(self, taken):
+        """Counts skipped steps in a row; raises after
+        ``max_skipped_steps`` of them."""
+        if taken:
+            self._skipped_in_a_row = 0
+            self._last_nonfinite = None
+            return
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row >= self.max_skipped_steps:
+            raise base.NonFiniteError(
+                '{} steps in a row skipped up to iteration {} (the last '
+                'non-finite gradient this process saw: {}); KFAC '
+                'max_skipped_steps={}'.format(
+                    self._skipped_in_a_row, self.t,
+                    self._last_nonfinite or 'none, another process or the '
+                    'loss scaling skipped', self.max_skipped_steps))
+
     def _preconditioned_fit(self):
         """Whether the preconditioned gradients of float16 parameters are
         finite.

@@ -81,6 +81,26 @@ def inverse_interval(value):
     return interval
 
 
+def option_values(optimizer):
+    """:meth:`KFAC.option_values
+    <chainerkfac.optimizers.KFAC.option_values>` of ``optimizer``."""
+    values = {name: getattr(optimizer.hyperparam, name)
+              for name in HYPERPARAMETER_RULES}
+    values.update(
+        inverse=optimizer.inverse, bn_fisher=optimizer.bn_fisher,
+        factor_interval_A=optimizer.factor_interval['A'],
+        factor_interval_G=optimizer.factor_interval['G'],
+        inverse_interval=optimizer.inverse_interval,
+        acc_iters=optimizer.acc_iters,
+        spatial_subsample=optimizer.spatial_subsample,
+        batch_subsample=optimizer.batch_subsample,
+        kl_clip_batch=optimizer.kl_clip_batch,
+        nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
+        max_skipped_steps=optimizer.max_skipped_steps,
+        precondition=optimizer.use_kfac)
+    return {name: option_text(value) for name, value in values.items()}
+
+
 def option_text(value):
     """``value`` as text that two processes which set the same value print
     alike (a plain function by its name, not its address)."""
