@@ -49,6 +49,26 @@ def test_distributed_equals_single_process(tmp_path, inverse):
                                '{} ranks'.format(n))
 
 
+def test_more_ranks_than_layers_equals_single_process(tmp_path):
+    # 4 ranks for the 3 layers of the MLP: with one rank per block
+    # (max_load_imbalance=None) one rank owns nothing and idles through
+    # stages 4-5 (an empty segment in both v collectives); with splitting
+    # (the default) every rank computes parts. Both equal one process.
+    expected = single_process(tmp_path, ['--mlp'])
+    for imbalance, idle in (('none', 1), ('1.1', 0)):
+        out = str(tmp_path / 'n4_{}.npz'.format(imbalance))
+        result = mpi_helpers.run_mpi(
+            4, SCRIPT, [out, '--mlp', '--max-load-imbalance', imbalance],
+            timeout=180, check=True)
+        assert_same_parameters(numpy.load(out), expected,
+                               '4 ranks, max_load_imbalance ' + imbalance)
+        line, = [x for x in result.stdout.splitlines()
+                 if x.startswith('parts')]
+        busy = {rank for ranks, _, _ in json.loads(
+            line.split(' ', 1)[1]).values() for rank in ranks}
+        assert len(busy) == 4 - idle, (imbalance, busy)
+
+
 def test_chainermn_communicator_equals_single_process(tmp_path):
     # chainerkfac.create_multi_node_optimizer(KFAC(...),
     # chainermn.create_communicator('naive')): a ChainerMN user's line.

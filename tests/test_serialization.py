@@ -104,6 +104,11 @@ def assert_close_runs(straight, resumed):
         if straight[key].dtype.kind in 'US':  # the K-FAC header's text
             assert resumed[key] == straight[key], key
             continue
+        if key.endswith('eigvecs'):
+            # Defined up to a rotation within each eigenspace, which
+            # another LAPACK picks otherwise where eigenvalues (nearly)
+            # repeat; the parameters they preconditioned are compared.
+            continue
         numpy.testing.assert_allclose(
             resumed[key], straight[key], rtol=1e-4,
             atol=1e-4 * numpy.abs(straight[key]).max(), err_msg=key)

@@ -79,7 +79,8 @@ def main():
     parser.add_argument('--batch-norm', action='store_true')
     parser.add_argument('--mlp', nargs='?', const='50,80', default=None,
                         metavar='H1,H2', help='SplitMLP and its hidden widths')
-    parser.add_argument('--max-load-imbalance', type=float, default=1.1)
+    parser.add_argument('--max-load-imbalance', default='1.1',
+                        help="a number, or 'none': one rank per block")
     parser.add_argument('--every-step', action='store_true',
                         help='refresh factors and inverses every step')
     parser.add_argument('--inverse-interval', type=int, default=3)
@@ -122,7 +123,9 @@ def main():
             for p in model.params():
                 p.array[...] = 7.0
         optimizer = chainerkfac.create_multi_node_optimizer(
-            optimizer, comm, max_load_imbalance=args.max_load_imbalance)
+            optimizer, comm, max_load_imbalance=(
+                None if args.max_load_imbalance == 'none'
+                else float(args.max_load_imbalance)))
     optimizer.setup(model.to_device(device))
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
