@@ -85,10 +85,10 @@ def worker(args):
             'bytes': {k.split('/')[-1]: float(v) for k, v
                       in observation.items() if k.startswith('kfac/bytes/')},
             'state_bytes': sum(b.state_bytes() for b in opt.blocks),
-            'owned_blocks': len(opt._stages.owned(opt.blocks))})
+            'owned_blocks': len(opt.stages.owned(opt.blocks))})
     everyone = comm.mpi_comm.gather(records, root=0)
     if comm.rank == 0:
-        assignment = opt._stages.assignment
+        assignment = opt.stages.assignment
         with open(args.worker_out, 'w') as f:
             json.dump({'size': comm.size, 'ranks': everyone,
                        'load_imbalance': assignment.load_imbalance,

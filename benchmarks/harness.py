@@ -92,21 +92,25 @@ def timed_step(model, optimizer, x, t, timer, synchronize=None):
     kfac = hasattr(optimizer, 'stage_timer')
     if kfac:
         optimizer.stage_timer = timer
-    sync()
-    t0 = time.perf_counter()
-    model.cleargrads()
-    with timer.stage('forward'):
-        loss = F.softmax_cross_entropy(model(x), t)
-    with timer.stage('backward'):
-        loss.backward()
-    del loss
-    if kfac:
-        optimizer.update()
-    else:
-        with timer.stage('update'):
+    try:
+        sync()
+        t0 = time.perf_counter()
+        model.cleargrads()
+        with timer.stage('forward'):
+            loss = F.softmax_cross_entropy(model(x), t)
+        with timer.stage('backward'):
+            loss.backward()
+        del loss
+        if kfac:
             optimizer.update()
-    sync()
-    return time.perf_counter() - t0
+        else:
+            with timer.stage('update'):
+                optimizer.update()
+        sync()
+        return time.perf_counter() - t0
+    finally:
+        if kfac:
+            optimizer.stage_timer = None
 
 
 # -- statistics ---------------------------------------------------------------

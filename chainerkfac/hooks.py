@@ -16,6 +16,11 @@ update-norm guard's bound follows.
 import chainer
 
 from chainerkfac import linalg
+from chainerkfac import timing as timing_module
+
+
+def _untimed(stage):
+    return timing_module.timed(None, stage)
 
 
 class OutputGradientHook(chainer.FunctionHook):
@@ -23,11 +28,11 @@ class OutputGradientHook(chainer.FunctionHook):
 
     name = 'chainerkfac_output_gradient'
 
-    def __init__(self, block, context, output_index, timing):
+    def __init__(self, block, context, output_index, timing=None):
         self.block = block
         self.context = context
         self.output_index = output_index
-        self.timing = timing
+        self.timing = timing or _untimed
 
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
@@ -45,7 +50,8 @@ class StatisticsHook(chainer.LinkHook):
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
         timing (callable): ``timing(stage)``, a context that times a stage
-            (:meth:`KFAC.timing <chainerkfac.optimizers.KFAC.timing>`).
+            (:meth:`KFAC.timing <chainerkfac.optimizers.KFAC.timing>`);
+            ``None``: untimed.
 
     The samples of the training forward passes since the last step are
     counted per link (its input's first axis); :meth:`take_batch_size`
@@ -54,10 +60,10 @@ class StatisticsHook(chainer.LinkHook):
 
     name = 'chainerkfac_statistics'
 
-    def __init__(self, blocks, next_step, timing):
+    def __init__(self, blocks, next_step, timing=None):
         self.blocks = blocks
         self.next_step = next_step
-        self.timing = timing
+        self.timing = timing or _untimed
         self._samples = {}
 
     def forward_postprocess(self, args):

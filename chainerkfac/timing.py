@@ -26,7 +26,12 @@ for ``statistics_forward`` only, a collective inside a refresh for
                            rule, hooks
 
 Without a timer (``stage_timer = None``, the default) a stage costs one
-reused null context.
+reused null context. In one process ``calls['inversion']`` counts the
+steps that rebuilt an inverse and ``calls['statistics_fold']`` those that
+folded statistics; under MPI with split blocks the exchange of their parts
+is timed as ``inversion`` on every step, and a shared factorization's
+waits for its panels count there too. The distributed stages give the
+communicator the optimizer's timer at every step.
 """
 import collections
 import contextlib

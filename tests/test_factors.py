@@ -275,7 +275,12 @@ def test_statistics_ignore_evaluation_passes():
     assert block.has_pending_statistics()
 
 
-def test_loss_scale_is_divided_out():
+@pytest.mark.parametrize('manual', [False, True])
+def test_loss_scale_is_divided_out(manual):
+    # The optimizer's loss_scaling(), or a manual loop's
+    # loss.backward(loss_scale=s) without it: the statistics carry s² and
+    # the gradients s, as the parameters record; both come out as without
+    # a scale.
     rng = numpy.random.RandomState(4)
     x = rng.randn(5, 4)
     r = rng.randn(5, 3)
@@ -285,10 +290,17 @@ def test_loss_scale_is_divided_out():
             link = L.Linear(4, 3, initialW=numpy.ones((3, 4)))
         opt = chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.0)
         opt.setup(place(link))
-        if scale:
-            opt.loss_scaling(scale=scale)
-        opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)),
-                   *send(x, r))
+
+        def lossfun(x, r):
+            return F.mean(per_sample_loss(link(x), r))
+        if manual:
+            link.cleargrads()
+            lossfun(*send(x, r)).backward(loss_scale=scale)
+            opt.update()
+        else:
+            if scale:
+                opt.loss_scaling(scale=scale)
+            opt.update(lossfun, *send(x, r))
         factors.append((host(opt.blocks[0].factor['G']),
                         host(link.W.array).copy()))
     numpy.testing.assert_allclose(factors[0][0], factors[1][0], rtol=1e-10)

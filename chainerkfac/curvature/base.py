@@ -158,11 +158,20 @@ class FisherBlock:
         """Drops the statistics collected since the last step."""
         self._count = dict.fromkeys(self.factors, 0)
 
+    def gradient_loss_scale(self):
+        """The loss scale the block's gradients (and so its backward
+        statistics) were computed with, or ``None``: what ``backward``
+        recorded on the parameters, which may differ from the optimizer's
+        (a manual loop's ``loss.backward(loss_scale=s)``). Chainer keeps it
+        on the parameter only, as a private attribute, which its own update
+        rules read the same way."""
+        return self.params()[0]._loss_scale
+
     def take_statistics(self, loss_scale=None):
         """Batch means of the statistics collected since the last step.
 
-        ``loss_scale`` is divided out of the backward factors, which are
-        quadratic in the output gradient.
+        ``loss_scale`` (see :meth:`gradient_loss_scale`) is divided out of
+        the backward factors, which are quadratic in the output gradient.
         """
         stats = {}
         for f in self.factors:
@@ -284,9 +293,8 @@ class FisherBlock:
 
     def splittable(self):
         """Whether the preconditioning can be split over ranks by rows or
-        columns of ``V`` (:mod:`chainerkfac.distributed.split`): the family
-        holds the forms that allow it."""
-        return forms.KroneckerMixed in self.family.kinds
+        columns of ``V`` (:mod:`chainerkfac.distributed.split`)."""
+        return False
 
     def ready(self):
         """Whether an inverse exists, i.e. the block can precondition."""

@@ -135,7 +135,6 @@ class KroneckerMixed(Form):
     def __init__(self, arrays, damping):
         super().__init__(arrays, damping)
         self.cholesky = 'A' if 'A_chol' in arrays else 'G'
-        self.inverted = 'G' if self.cholesky == 'A' else 'A'
 
     @classmethod
     def matches(cls, keys):

@@ -171,6 +171,11 @@ class KroneckerBlock(base.FisherBlock):
         if self.has_bias:
             self.link.b.grad[...] = grad[:, d]
 
+    def splittable(self):
+        """Whether the family holds the forms whose rows or columns ranks
+        can share (not the eigen form)."""
+        return forms.KroneckerMixed in self.family.kinds
+
     def dims(self):
         """``(d_A, d_G)``: the sizes of the factors (``d_A`` with the bias
         coordinate)."""

@@ -22,13 +22,11 @@ class Layout:
         assignment: The :class:`~chainerkfac.distributed.Assignment`.
         splits: ``{block: Split}`` of the split blocks
             (:class:`~chainerkfac.distributed.split.Split`).
-        world_size (int): The number of ranks.
     """
 
-    def __init__(self, assignment, splits, world_size):
+    def __init__(self, assignment, splits):
         self.assignment = assignment
         self.splits = splits
-        self.world_size = world_size
         #: The shapes of the blocks' gradients, set at every reduce.
         self.shapes = None
         #: ``{(block, part): [(factor, shape, size)]}``: the statistics
@@ -46,7 +44,7 @@ class Layout:
         # The last part ends at the length of the split side.
         return size // bounds[-1][1] * (stop - start)
 
-    def pack_reduce(self, blocks, grads, loss_scale):
+    def pack_reduce(self, blocks, grads):
         """The reduce-scatter's send buffer as a list of flat arrays, and
         the elements per ``(block, part)``. Takes the blocks' pending
         statistics."""
@@ -58,7 +56,7 @@ class Layout:
                 flats.append(grads[i].ravel())
             if s == 0:
                 block = blocks[i]
-                stats = block.take_statistics(loss_scale)
+                stats = block.take_statistics(block.gradient_loss_scale())
                 entries = [(f, stats[f].shape, _pack(stats[f]))
                            for f in block.factors if f in stats]
                 self.statistics[i] = [(f, shape, flat.size)
@@ -113,7 +111,7 @@ class Layout:
         offset of a part's piece, ``groups`` the starts of the runs that
         share a transport scale (each piece, each part's intervals, each
         term) and ``slots`` the offsets of the terms, rank by rank."""
-        by_rank = [[] for _ in range(self.world_size)]
+        by_rank = [[] for _ in range(self.assignment.world_size)]
         for i, s in self.assignment.buffer_order():
             by_rank[self.assignment.shards[i][s]].append((i, s))
         places, groups, slots, offset = {}, [], [], 0

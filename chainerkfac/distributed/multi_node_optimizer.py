@@ -20,6 +20,7 @@ the volume of the allreduce of data-parallel SGD. Symmetric factors travel
 as their upper triangle (§3.4). Owners come from a cost model
 (:func:`chainerkfac.distributed.assign_blocks`), not from a count.
 """
+import contextlib
 import logging
 import numbers
 
@@ -131,8 +132,7 @@ class HybridParallelStages(stages.Stages):
             blocks, self.comm.size, self.max_load_imbalance)
         self.split = split_module.SplitBlocks(self.comm, self.assignment,
                                               blocks, fractions)
-        self._layout = buffers.Layout(self.assignment, self.split.splits,
-                                      self.comm.size)
+        self._layout = buffers.Layout(self.assignment, self.split.splits)
         if self.comm.rank == 0:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s, split blocks %s', self.comm.size,
@@ -153,9 +153,13 @@ class HybridParallelStages(stages.Stages):
             self._assign(optimizer)
         blocks = optimizer.blocks
         grads = [block.gradient() for block in blocks]
-        with optimizer.timing('statistics_fold'):
-            parts, sizes = self._layout.pack_reduce(blocks, grads,
-                                                    optimizer.loss_scale)
+        # Timed as statistics on steps that carry some (stale steps pack
+        # gradients only, which is the all-gather's counterpart).
+        folding = optimizer.timing('statistics_fold') if any(
+            b.has_pending_statistics() for b in blocks) else \
+            contextlib.nullcontext()
+        with folding:
+            parts, sizes = self._layout.pack_reduce(blocks, grads)
         xp = backend.get_array_module(grads[0])
         # One transport scale per gradient and per factor.
         groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
@@ -173,8 +177,7 @@ class HybridParallelStages(stages.Stages):
         for link in self._running_statistics:
             replicated += [link.avg_mean, link.avg_var]
         buffers.average_replicated(self.comm, replicated)
-        with optimizer.timing('statistics_fold'):
-            return self._layout.unpack_reduce(blocks, mine, self.split.parts)
+        return self._layout.unpack_reduce(blocks, mine, self.split.parts)
 
     def agree(self, ok):
         with timing.timed(self.comm.stage_timer, 'communication'):

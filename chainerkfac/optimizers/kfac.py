@@ -211,6 +211,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     def whole_model_hooks(self):
         """Names of the pre-update optimizer hooks that need every gradient
         at once (``GradientClipping``), not one parameter at a time."""
+        # Chainer keeps hooks in a private registry and offers no way to
+        # list them: read here, in the optimizer, and nowhere else.
         return [name for name, hook in self._hookable._pre_update_hooks
                 .items() if not getattr(hook, 'call_for_each_param', False)]
 
@@ -241,6 +243,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._stages.setup(self)
         logger.info('%s', self.describe())
         return self
+
+    @property
+    def stages(self):
+        """The :class:`~chainerkfac.optimizers.stages.Stages` the step runs
+        through (read-only; :meth:`use_stages` replaces them)."""
+        return self._stages
 
     def use_stages(self, stages):
         """Runs the step's stages through ``stages`` (see
@@ -398,12 +406,16 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                         due, cpu_parallel.block_work('inverse_cost')))
                     if done]
         self._stages.share_inverses(self, refreshed)
+        # The scale the gradients carry (that of their backward, which a
+        # manual loop may pass without loss_scaling()); the decay term must
+        # carry it too, and the guard divides it out.
+        scale = self.blocks[0].gradient_loss_scale() if self.blocks \
+            else self._loss_scale
         with self.timing('precondition'):
-            # The gradients carry the loss scale; the decay term must too.
             inner = self._stages.precondition(
-                self, hp.weight_decay * (self._loss_scale or 1))
+                self, hp.weight_decay * (scale or 1))
         inner, batch = self._stages.gather(self, (inner, samples or 0))
-        kl = update_norm.kl_estimate(inner, hp.lr, self._loss_scale)
+        kl = update_norm.kl_estimate(inner, hp.lr, scale)
         nu = update_norm.scale(kl, update_norm.bound(
             hp.kl_clip, batch or None, self.kl_clip_batch))
         if nu < 1:

@@ -99,8 +99,8 @@ class LocalStages(Stages):
         if not pending:
             return {}
         with optimizer.timing('statistics_fold'):
-            return {block: block.take_statistics(optimizer.loss_scale)
-                    for block in pending}
+            return {block: block.take_statistics(
+                block.gradient_loss_scale()) for block in pending}
 
     def agree(self, ok):
         return ok

@@ -118,7 +118,7 @@ def main_split():
             optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
                              rng.randn(6, 36).astype('f'),
                              rng.randint(0, 3, 6).astype('i'))
-        stages = optimizer._stages
+        stages = optimizer.stages
         assignment = stages.assignment
         splits = stages.split.splits
         forms = [splits[i].explicit for i in assignment.split_blocks]

@@ -154,7 +154,7 @@ def main():
     if rank == 0:
         numpy.savez(args.out, **params)
         if not args.single:
-            stages = optimizer._stages
+            stages = optimizer.stages
             splits = stages.split.splits
 
             def layout(i):
