@@ -66,11 +66,16 @@ OPTIMIZERS = {
     # schedule, its bound at the default and left alone (every other K-FAC
     # run scales the bound with the schedule's squared factor).
     'kfac_swap': {},
+    # The same swap with stale curvature: factors every 10 steps, inverses
+    # every 100 (a candidate default, issue #23).
+    'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100},
 }
+#: The one-line swaps: the bound left at its default, not scheduled.
+SWAPS = ('kfac_swap', 'kfac_swap_10_100')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of K-FAC's runs at
 #: its default bound (scheduled), ``kfac_swap`` the one-line swap.
-ROWS = ('sgd', 'kfac', 'kfac_default', 'kfac_swap') + STALE
+ROWS = ('sgd', 'kfac', 'kfac_default') + SWAPS + STALE
 DEFAULT_KL_CLIP = chainerkfac.optimizers.KFAC().kl_clip
 
 _DATA = {}
@@ -127,7 +132,7 @@ def train(spec):
             idx = order[k * batch:(k + 1) * batch]
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
-            if options is not None and name != 'kfac_swap':
+            if options is not None and name not in SWAPS:
                 optimizer.kl_clip = kl_clip * factor * factor
             loss_value, seconds = harness.train_step(model, optimizer,
                                                      x_tr[idx], y_tr[idx])
@@ -295,8 +300,8 @@ def plot(best, path):
     fig, axes = plt.subplots(len(batches), 4, squeeze=False,
                              figsize=(18, 4 * len(batches)))
     colors = dict(zip(ROWS, ('tab:blue', 'tab:red', 'tab:gray',
-                             'tab:brown', 'tab:orange', 'tab:green',
-                             'tab:purple')))
+                             'tab:brown', 'tab:olive', 'tab:orange',
+                             'tab:green', 'tab:purple')))
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -371,6 +376,9 @@ def main(argv=None):
     parser.add_argument('--swap', action='store_true',
                         help='also the one-line swap (kfac_swap) at each '
                         'batch, at the first --lrs-kfac')
+    parser.add_argument('--swap-stale', action='store_true',
+                        help='also the one-line swap with factors every 10 '
+                        'steps and inverses every 100 (kfac_swap_10_100)')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -400,11 +408,14 @@ def main(argv=None):
             lr, kl = best[(batch, 'kfac')]['setting']
             specs += [(name, lr, kl, batch, seed, args.epochs, args.warmup)
                       for seed in range(args.seeds) for name in STALE]
-    if args.swap:
+    if args.swap or args.swap_stale:
         lr = float(args.lrs_kfac.split(',')[0])
-        specs += [('kfac_swap', lr, DEFAULT_KL_CLIP, batch, seed,
-                   args.epochs, args.warmup)
-                  for seed in range(args.seeds) for batch in batches]
+        names = (['kfac_swap'] if args.swap else []) + (
+            ['kfac_swap_10_100'] if args.swap_stale else [])
+        specs += [(name, lr, DEFAULT_KL_CLIP, batch, seed, args.epochs,
+                   args.warmup)
+                  for seed in range(args.seeds) for batch in batches
+                  for name in names]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)
