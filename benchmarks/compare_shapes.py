@@ -66,12 +66,16 @@ OPTIMIZERS = {
     # schedule, its bound at the default and left alone (every other K-FAC
     # run scales the bound with the schedule's squared factor).
     'kfac_swap': {},
-    # The same swap with stale curvature: factors every 10 steps, inverses
-    # every 100 (a candidate default, issue #23).
+    # The same swap with stale curvature (candidate defaults, issue #23):
+    # factors every 10 steps and inverses every 100, or intervals adapted
+    # to how fast the factors change.
     'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100},
+    'kfac_swap_adaptive': {
+        'factor_interval': chainerkfac.schedules.Adaptive(),
+        'inverse_interval': 1},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
-SWAPS = ('kfac_swap', 'kfac_swap_10_100')
+SWAPS = ('kfac_swap', 'kfac_swap_10_100', 'kfac_swap_adaptive')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of K-FAC's runs at
 #: its default bound (scheduled), ``kfac_swap`` the one-line swap.
@@ -300,8 +304,8 @@ def plot(best, path):
     fig, axes = plt.subplots(len(batches), 4, squeeze=False,
                              figsize=(18, 4 * len(batches)))
     colors = dict(zip(ROWS, ('tab:blue', 'tab:red', 'tab:gray',
-                             'tab:brown', 'tab:olive', 'tab:orange',
-                             'tab:green', 'tab:purple')))
+                             'tab:brown', 'tab:olive', 'tab:pink',
+                             'tab:orange', 'tab:green', 'tab:purple')))
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -377,8 +381,10 @@ def main(argv=None):
                         help='also the one-line swap (kfac_swap) at each '
                         'batch, at the first --lrs-kfac')
     parser.add_argument('--swap-stale', action='store_true',
-                        help='also the one-line swap with factors every 10 '
-                        'steps and inverses every 100 (kfac_swap_10_100)')
+                        help='also the one-line swap with stale curvature: '
+                        'factors every 10 steps and inverses every 100 '
+                        '(kfac_swap_10_100), adaptive intervals '
+                        '(kfac_swap_adaptive)')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -411,7 +417,8 @@ def main(argv=None):
     if args.swap or args.swap_stale:
         lr = float(args.lrs_kfac.split(',')[0])
         names = (['kfac_swap'] if args.swap else []) + (
-            ['kfac_swap_10_100'] if args.swap_stale else [])
+            ['kfac_swap_10_100', 'kfac_swap_adaptive'] if args.swap_stale
+            else [])
         specs += [(name, lr, DEFAULT_KL_CLIP, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches
