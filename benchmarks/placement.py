@@ -69,10 +69,9 @@ def sizes(block_costs):
 
 
 def split_bytes(block_costs, placed, fraction):
-    """Elements the owners of split blocks send per refresh, summed over
-    the parts (``Split.part_shapes``; a Cholesky factor as its
-    triangle), and the largest a rank receives."""
-    total, received = 0, {}
+    """The most elements a rank receives per refresh for its parts of split
+    blocks (``Split.part_shapes``; a Cholesky factor as its triangle)."""
+    received = {}
     for i in placed.split_blocks:
         c = block_costs[i]
         explicit = c.explicit_form(fraction)
@@ -86,9 +85,8 @@ def split_bytes(block_costs, placed, fraction):
                                          layout.triangular()):
                 n += (shape[0] * (shape[0] + 1) // 2 if triangular
                       else shape[0] * shape[1])
-            total += n
             received[rank] = received.get(rank, 0) + n
-    return total, max(received.values(), default=0)
+    return max(received.values(), default=0)
 
 
 def compare(block_costs, world_size, interval):
@@ -101,7 +99,7 @@ def compare(block_costs, world_size, interval):
 
     placed = assignment.assign_blocks(block_costs, world_size, f,
                                       shardable=True, max_imbalance=1.1)
-    _, most_received = split_bytes(block_costs, placed, f)
+    most_received = split_bytes(block_costs, placed, f)
     rows['ours'] = {
         'max_work': max(placed.loads), 'mean_work': placed.work / world_size,
         'idle_ranks': len(placed.idle_ranks),

@@ -69,7 +69,32 @@ def _factored(A, G, damping, make):
     return make(A, damping_A), make(G, damping_G)
 
 
-class KroneckerInverses(Form):
+class _Sliceable(Form):
+    """A Kronecker form with one array per factor (:meth:`sides`) whose
+    parts give rows or columns of ``V`` (how ranks share a split block)."""
+
+    def sides(self):
+        """``(A's array, G's array)``."""
+        raise NotImplementedError
+
+    def with_sides(self, A_side, G_side):
+        """The same kind of form with these arrays."""
+        raise NotImplementedError
+
+    def columns(self, start, stop):
+        """The form whose :meth:`apply` gives columns ``start:stop`` of
+        ``V``: ``G_d⁻¹ ∇W̄ A_d⁻¹[:, J]`` (``A`` must be inverted)."""
+        A, G = self.sides()
+        return self.with_sides(A[:, start:stop], G)
+
+    def rows(self, start, stop):
+        """The form whose :meth:`apply` gives rows ``start:stop`` of
+        ``V``: ``G_d⁻¹[I, :] ∇W̄ A_d⁻¹`` (``G`` must be inverted)."""
+        A, G = self.sides()
+        return self.with_sides(A, G[start:stop])
+
+
+class KroneckerInverses(_Sliceable):
     """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` from explicit inverses."""
 
     keys = ('A_inv', 'G_inv')
@@ -92,17 +117,8 @@ class KroneckerInverses(Form):
         """The form of :meth:`sides` ``(A_side, G_side)``."""
         return cls({'A_inv': A_side, 'G_inv': G_side}, damping)
 
-    def columns(self, start, stop):
-        """The form whose :meth:`apply` gives columns ``start:stop`` of
-        ``V``: ``G_d⁻¹ ∇W̄ A_d⁻¹[:, J]``."""
-        A, G = self.sides()
-        return type(self).from_sides(A[:, start:stop], G, self.damping)
-
-    def rows(self, start, stop):
-        """The form whose :meth:`apply` gives rows ``start:stop`` of
-        ``V``: ``G_d⁻¹[I, :] ∇W̄ A_d⁻¹``."""
-        A, G = self.sides()
-        return type(self).from_sides(A, G[start:stop], self.damping)
+    def with_sides(self, A_side, G_side):
+        return self.from_sides(A_side, G_side, self.damping)
 
 
 class KroneckerCholesky(Form):
@@ -121,7 +137,7 @@ class KroneckerCholesky(Form):
                                             self.arrays['G_chol'])
 
 
-class KroneckerMixed(Form):
+class KroneckerMixed(_Sliceable):
     """One factor's explicit inverse and the other's Cholesky factor
     (:func:`~chainerkfac.linalg.mixed_precondition`): rows or columns of
     ``V`` from rows or columns of the inverse alone.
@@ -145,21 +161,20 @@ class KroneckerMixed(Form):
         """With ``factorize=False`` the ``cholesky`` factor is left damped
         (``M + damping I``, under the key ``cholesky + '_chol'``) for
         whoever computes its Cholesky factor (:meth:`with_cholesky`)."""
-        damped = dict(zip('AG', linalg.factored_damping(A, G, damping)))
-        factors = {'A': A, 'G': G}
-        other = 'G' if cholesky == 'A' else 'A'
-        build = linalg.damped_cholesky if factorize else linalg.damped_factor
-        return cls({cholesky + '_chol': build(factors[cholesky],
-                                              damped[cholesky]),
-                    other + '_inv': linalg.damped_inverse(factors[other],
-                                                          damped[other])},
-                   damping)
+        chol = linalg.damped_cholesky if factorize else linalg.damped_factor
+        inv = linalg.damped_inverse
+        damping_A, damping_G = linalg.factored_damping(A, G, damping)
+        if cholesky == 'A':
+            sides = chol(A, damping_A), inv(G, damping_G)
+        else:
+            sides = inv(A, damping_A), chol(G, damping_G)
+        return cls.from_sides(*sides, cholesky, damping)
 
     def with_cholesky(self, L):
         """The form with ``L`` as the Cholesky factor."""
-        arrays = dict(self.arrays)
-        arrays[self.cholesky + '_chol'] = L
-        return KroneckerMixed(arrays, self.damping)
+        A, G = self.sides()
+        return self.with_sides(*((L, G) if self.cholesky == 'A'
+                                 else (A, L)))
 
     @property
     def cholesky_factor(self):
@@ -183,19 +198,8 @@ class KroneckerMixed(Form):
         return cls({cholesky + '_chol': sides[cholesky],
                     other + '_inv': sides[other]}, damping)
 
-    def columns(self, start, stop):
-        """As :meth:`KroneckerInverses.columns`; ``A`` must be the
-        inverted factor."""
-        return KroneckerMixed({'A_inv': self.arrays['A_inv'][:, start:stop],
-                               'G_chol': self.arrays['G_chol']},
-                              self.damping)
-
-    def rows(self, start, stop):
-        """As :meth:`KroneckerInverses.rows`; ``G`` must be the inverted
-        factor."""
-        return KroneckerMixed({'A_chol': self.arrays['A_chol'],
-                               'G_inv': self.arrays['G_inv'][start:stop]},
-                              self.damping)
+    def with_sides(self, A_side, G_side):
+        return self.from_sides(A_side, G_side, self.cholesky, self.damping)
 
 
 class KroneckerEigen(Form):

@@ -239,7 +239,9 @@ class SplitBlocks:
         send_buffer = xp.concatenate(parts) if parts else xp.empty(0, dtype)
         received, _ = self.comm.alltoall_v(send_buffer, counts)
         self._send_all = False
-        offset, panels = 0, {}
+        # {block: (the inverse's slice, this rank's panels)} of the shared
+        # factorizations this rank joins as a non-owner.
+        offset, shared = 0, {}
         for source in range(self.comm.size):
             for i, s in self._deliveries(rank):
                 if owners[i] != source:
@@ -260,14 +262,14 @@ class SplitBlocks:
                     arrays.append(array)
                     offset += size
                 if delivery == Delivery.PANELS:
-                    panels[i] = {}
+                    panels = {}
                     for p, shape in sorted(cholesky.panel_shapes(
                             split.dims[split.cholesky], split.factor_ranks(),
                             rank).items()):
-                        panels[i][p], size = _unpack(received[offset:],
-                                                     shape, False)
+                        panels[p], size = _unpack(received[offset:], shape,
+                                                  False)
                         offset += size
-                    self._received[i] = arrays[0]
+                    shared[i] = arrays[0], panels
                 else:
                     self._received[i] = split.form_of(*arrays)
         for i, split in self.splits.items():
@@ -280,11 +282,11 @@ class SplitBlocks:
                         self.comm, ranks, len(M),
                         cholesky.lower_panels(M, ranks, rank), M,
                         lambda: cholesky_alone(block, split)))
-            elif i in panels:
+            elif i in shared:
+                inverse, panels = shared[i]
                 L = cholesky.shared_cholesky(
-                    self.comm, ranks, split.dims[split.cholesky], panels[i],
+                    self.comm, ranks, split.dims[split.cholesky], panels,
                     received, None)
-                inverse = self._received[i]
                 self._received[i] = split.form_of(
                     *((L, inverse) if split.cholesky == 'A'
                       else (inverse, L)))
