@@ -184,6 +184,24 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
             'diverged': bool(diverged), 'error': error, 'seconds': seconds}
 
 
+def summary(model_name, lr, optimizer_name, runs):
+    """One cell of the suite: the means over seeds of ``run``'s results,
+    and how many runs diverged; printed as a line."""
+    cell = {
+        'model': model_name, 'lr': lr, 'optimizer': optimizer_name,
+        'val_accuracy': float(numpy.mean([r['val_accuracy'] for r in runs])),
+        'val_loss': float(numpy.mean([r['val_loss'] for r in runs])),
+        'diverged': sum(r['diverged'] for r in runs),
+        'seconds': float(numpy.mean([r['seconds'] for r in runs])),
+        'runs': runs}
+    print('{:7} lr {:<5} {:13} val acc {:.3f} loss {:9.3g} diverged {}/{} '
+          '({:.1f} s)'.format(model_name, lr, optimizer_name,
+                              cell['val_accuracy'], cell['val_loss'],
+                              cell['diverged'], len(runs), cell['seconds']),
+          flush=True)
+    return cell
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--kfac', default='{}',
@@ -204,6 +222,7 @@ def main():
     args = parser.parse_args()
     harness.limit_threads(1)
     options = json.loads(args.kfac)
+    reported = dict(options)
     data = load_digits()
     lrs = [float(v) for v in args.lrs.split(',')]
     optimizers = {
@@ -220,9 +239,7 @@ def main():
         warmup = schemes.DampingWarmup(float(factor) * target, target,
                                        int(steps))
         damping_at = warmup.value
-        options_reported = dict(options, damping_warmup=args.damping_warmup)
-    else:
-        options_reported = options
+        reported['damping_warmup'] = args.damping_warmup
     cells = []
     for model_name in args.models.split(','):
         for lr in lrs:
@@ -231,23 +248,8 @@ def main():
                             args.iterations, args.batchsize, data,
                             damping_at)
                         for seed in range(args.seeds)]
-                cell = {
-                    'model': model_name, 'lr': lr, 'optimizer': opt_name,
-                    'val_accuracy': float(numpy.mean(
-                        [r['val_accuracy'] for r in runs])),
-                    'val_loss': float(numpy.mean(
-                        [r['val_loss'] for r in runs])),
-                    'diverged': sum(r['diverged'] for r in runs),
-                    'seconds': float(numpy.mean(
-                        [r['seconds'] for r in runs])),
-                    'runs': runs}
-                cells.append(cell)
-                print('{:7} lr {:<5} {:13} val acc {:.3f} loss {:9.3g} '
-                      'diverged {}/{} ({:.1f} s)'.format(
-                          model_name, lr, opt_name, cell['val_accuracy'],
-                          cell['val_loss'], cell['diverged'], len(runs),
-                          cell['seconds']), flush=True)
-    payload = {'kfac_options': options_reported, 'iterations': args.iterations,
+                cells.append(summary(model_name, lr, opt_name, runs))
+    payload = {'kfac_options': reported, 'iterations': args.iterations,
                'batchsize': args.batchsize, 'seeds': args.seeds,
                'environment': harness.environment(), 'cells': cells}
     name = 'convergence_suite{}.json'.format(
