@@ -13,12 +13,15 @@ the first ``--warmup`` epochs, cosine decay to zero at the end, weight
 decay 5e-4 (Chainer's ``WeightDecay`` hook, for both), momentum 0.9.
 MomentumSGD and K-FAC get the same budget: a grid of base learning rates
 (``--lrs-sgd``, ``--lrs-kfac``) times ``--seeds`` seeds at each batch.
-K-FAC runs at its defaults; its update-norm guard's bound follows the
-schedule's squared factor, as the guard's ``q`` grows with ``lr²``, so the
-guard neither undoes the warm-up nor the decay.
+K-FAC runs at its defaults but refreshes its factors every step; its
+update-norm guard's bound follows the schedule's squared factor, as the
+guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
+nor the decay.
 
 ``--swap`` adds the one-line swap: ``KFAC(lr, momentum)`` at its default
-bound, which is left alone while the learning rate follows the schedule.
+bound, which is left alone while the learning rate follows the schedule
+(factors every step; ``--swap-stale``: every 10 steps and inverses every
+100, and the default adaptive intervals).
 After the grid, K-FAC's best base learning rate at each batch also runs
 with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
@@ -57,22 +60,20 @@ WEIGHT_DECAY = 5e-4
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
-    'kfac': {},
+    # Factors every step (the default before Adaptive intervals).
+    'kfac': {'factor_interval': 1},
     'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100},
     'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50},
     'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
                       'inverse_interval': 1},
-    # The one-line swap: KFAC(lr, momentum) under the same learning-rate
+    # The one-line swap, KFAC(lr, momentum) under the same learning-rate
     # schedule, its bound at the default and left alone (every other K-FAC
-    # run scales the bound with the schedule's squared factor).
-    'kfac_swap': {},
-    # The same swap with stale curvature (candidate defaults, issue #23):
-    # factors every 10 steps and inverses every 100, or intervals adapted
-    # to how fast the factors change.
+    # run scales the bound with the schedule's squared factor): with factors
+    # every step, every 10 steps and inverses every 100, and at the default
+    # intervals, adapted to how fast the factors change.
+    'kfac_swap': {'factor_interval': 1},
     'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100},
-    'kfac_swap_adaptive': {
-        'factor_interval': chainerkfac.schedules.Adaptive(),
-        'inverse_interval': 1},
+    'kfac_swap_adaptive': {},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_swap', 'kfac_swap_10_100', 'kfac_swap_adaptive')

@@ -216,14 +216,14 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
                      _verdict(None if ours is None else ours < theirs)])
     if tta:
         import time_to_accuracy
-    for task, entry in (tta or {}).get('tasks', {}).items():
+    for task, entry, names in _tta_entries(tta):
         large = max(entry['batches'])
         _, best = time_to_accuracy.best_of(entry)
-        for name in sorted(o for b, o in best if b == large and o != 'sgd'):
+        for name in sorted(o for b, o in best if b == large and o in names):
             label = '{} batch {}: {} iterations to {:.0%}'.format(
                 task, large, name, entry['target'])
             r = time_to_accuracy.ratios(best, large, name)
-            into = rows if name == 'kfac' else levers
+            into = rows if name in ('kfac', 'kfac_adaptive') else levers
             if r is None:
                 into.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
                              'K-FAC missed the target', '**no**'])
@@ -260,6 +260,30 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
                 'asks to measure, not targets), held to the same bars:', '',
                 harness.table(levers, ['lever'] + header[1:])]
     return out
+
+
+def _tta_entries(tta):
+    """``(task, entry, K-FAC variants)`` of ``time_to_accuracy.json`` and,
+    for variants it lacks, of the other ``time_to_accuracy_*.json`` runs."""
+    if not tta:
+        return []
+    import time_to_accuracy
+    entries = [(task, entry, set(time_to_accuracy.OPTIMIZERS) - {'sgd'})
+               for task, entry in tta['tasks'].items()]
+    for name in _extra_tta():
+        for task, entry in load(name)['tasks'].items():
+            main = tta['tasks'].get(task)
+            known = {o for _, o in time_to_accuracy.best_of(main)[1]} \
+                if main else set()
+            entries.append((task, entry, set(time_to_accuracy.OPTIMIZERS)
+                            - known - {'sgd'}))
+    return entries
+
+
+def _extra_tta():
+    """Names of the ``time_to_accuracy_*.json`` results."""
+    return sorted(f[:-5] for f in os.listdir(harness.results_dir())
+                  if f.startswith('time_to_accuracy_') and f.endswith('.json'))
 
 
 def _stale_spread(step_runs, model):
@@ -648,9 +672,7 @@ def write_doc(full):
                   'grid; wall-clock counts training steps only.', '']
         for task, entry in tta['tasks'].items():
             lines += _tta_task(task, entry)
-        extra_tta = sorted(
-            f[:-5] for f in os.listdir(harness.results_dir())
-            if f.startswith('time_to_accuracy_') and f.endswith('.json'))
+        extra_tta = _extra_tta()
         if extra_tta:
             lines += ['### Other runs', '',
                       'Runs of `time_to_accuracy.py` other than the one '
@@ -767,11 +789,12 @@ def _shapes_section(shapes):
         'decay {5}, {6} epochs ({7} of warm-up). K-FAC\'s grid spans its '
         'learning rate and its bound `kl_clip` (at batch 64; the bound '
         'follows the square of the schedule\'s factor, as the guard\'s `q` '
-        'grows with lr²), every other option at its default; '
-        '`kfac_swap` is the one-line swap, `KFAC(lr, momentum)` with the '
-        'bound at its default and not scheduled, `kfac_swap_10_100` and '
-        '`kfac_swap_adaptive` the same with factors every 10 steps and '
-        'inverses every 100, or with `Adaptive` intervals '
+        'grows with lr²), factors every step, every other option at its '
+        'default; `kfac_swap` is the one-line swap, `KFAC(lr, momentum)` '
+        'with the bound at its default and not scheduled, here with '
+        'factors every step, `kfac_swap_10_100` the same with factors '
+        'every 10 steps and inverses every 100, and `kfac_swap_adaptive` '
+        'the one-line swap at the default `Adaptive` intervals '
         '(`--swap-stale`). Seconds '
         'count training steps only (two runs at a time on the 2 cores, '
         'one BLAS thread each; the machine ran other work at times, so '
@@ -798,7 +821,8 @@ def _float16_section(f16):
     return [
         '## Half precision', '',
         'Command: `{}float16.py`. The digits CNN with BatchNorm, batch {}, '
-        '`KFAC(lr={}, momentum=0.9)` with its defaults, {} steps, the same '
+        '`KFAC(lr={}, momentum=0.9)` with its defaults but factors every '
+        'step, {} steps, the same '
         'weights and batches at each precision. Goal: {}: {}.'.format(
             PREFIX, f16['batch'], f16['lr'], f16['iterations'], f16['goal'],
             'met' if f16['met'] else 'not met'),

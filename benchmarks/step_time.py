@@ -60,7 +60,7 @@ STALE_FISHER_START = 2000
 
 def _kfac(**kw):
     def make():
-        kw2 = dict(lr=1e-3, momentum=0.9, damping=1e-3)
+        kw2 = dict(lr=1e-3, momentum=0.9, damping=1e-3, factor_interval=1)
         kw2.update(kw)
         return chainerkfac.optimizers.KFAC(**kw2)
     return make

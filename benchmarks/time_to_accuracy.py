@@ -140,16 +140,21 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 #: Optimizers that can be compared (``--optimizers``); every one but
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
 OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
-              'kfac_bsub4': {'batch_subsample': 4}}
+              'kfac_bsub4': {'batch_subsample': 4},
+              # Factor intervals adapted to how fast the factors change
+              # (inverses follow them), instead of --kfac-intervals.
+              'kfac_adaptive': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1}}
 
 
 def make_optimizer(name, lr, intervals):
     if name == 'sgd':
         return chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     f, i = intervals
-    return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
-                                       factor_interval=f, inverse_interval=i,
-                                       **OPTIMIZERS[name])
+    options = dict({'factor_interval': f, 'inverse_interval': i},
+                   **OPTIMIZERS[name])
+    return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, **options)
 
 
 def accuracy(model, x, y):
@@ -290,8 +295,8 @@ def plot(task_name, runs, best, target, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7),
                              squeeze=False)
-    colors = {'sgd': 'tab:blue', 'kfac': 'tab:red', 'kfac_sub2': 'tab:green',
-              'kfac_bsub4': 'tab:purple'}
+    colors = dict(zip(OPTIMIZERS, ('tab:blue', 'tab:red', 'tab:green',
+                                   'tab:purple', 'tab:orange')))
     optimizers = sorted({o for _, o in best}, key=list(OPTIMIZERS).index)
     for col, batch in enumerate(batches):
         for opt in optimizers:

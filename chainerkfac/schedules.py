@@ -166,8 +166,15 @@ class RefreshSchedule:
             self.interval = int(interval)
 
     def serialize(self, serializer):
-        """Saves or loads the last refresh and the adaptive interval."""
+        """Saves or loads the last refresh and the adaptive interval.
+
+        A snapshot taken with a fixed or scheduled interval holds no
+        adaptive interval: loaded into an :class:`Adaptive` schedule, the
+        interval starts again from ``min_interval``."""
         last = serializer('last', -1 if self.last is None else self.last)
         self.last = None if int(last) < 0 else int(last)
         if self.interval is not None:
-            self.interval = int(serializer('interval', self.interval))
+            try:
+                self.interval = int(serializer('interval', self.interval))
+            except KeyError:
+                self.interval = self.policy.min_interval

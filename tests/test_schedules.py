@@ -115,6 +115,40 @@ def test_adaptive_interval_widens_when_factors_stay():
     assert calls[('fc', 'backward_statistics')] == [1, 2, 4, 8, 16]
 
 
+def test_default_intervals_are_adaptive():
+    model = CNN()
+    opt = chainerkfac.optimizers.KFAC(lr=0.0, cov_ema_decay=0.0)
+    opt.setup(model)
+    assert all(isinstance(policy, schedules.Adaptive)
+               for policy in opt.factor_interval.values())
+    calls = count_statistics(opt, model, 20, lr_zero_batch=True)
+    # Adaptive()'s growth of 2, from 1: refreshes at 1, 2, 4, 8, 16.
+    assert calls[('fc', 'forward_statistics')] == [1, 2, 4, 8, 16]
+
+
+def test_fixed_interval_snapshot_resumes_with_adaptive_intervals(tmp_path):
+    # A snapshot of the former default (factors every step) holds no
+    # adaptive interval: the adaptive one restarts from min_interval.
+    def make(**options):
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainerkfac.optimizers.KFAC(lr=0.0, cov_ema_decay=0.0,
+                                          **options)
+        opt.setup(model)
+        return model, opt
+    model, opt = make(factor_interval=1)
+    count_statistics(opt, model, 3, lr_zero_batch=True)
+    path = str(tmp_path / 'snapshot.npz')
+    chainer.serializers.save_npz(path, opt)
+    model, opt = make()
+    chainer.serializers.load_npz(path, opt)
+    assert opt.t == 3
+    assert {s.interval for b in opt.blocks for s in b.schedules.values()} \
+        == {1}
+    calls = count_statistics(opt, model, 6, lr_zero_batch=True)
+    assert calls[('fc', 'forward_statistics')] == [4, 6]
+
+
 def test_stale_fisher_schedule_values():
     s = schedules.StaleFisher(warmup=500, growth_period=100, max_interval=5)
     assert [s(t) for t in (1, 500, 501, 599, 600, 700, 10 ** 6)] == \

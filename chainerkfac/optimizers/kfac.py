@@ -21,6 +21,7 @@ from chainer.optimizers import momentum_sgd
 from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
+from chainerkfac import schedules
 from chainerkfac import timing as timing_module
 from chainerkfac import update_norm
 from chainerkfac.curvature import base
@@ -75,7 +76,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             a callable ``f(iteration) -> int``, a
             :class:`~chainerkfac.schedules.Adaptive` policy, or a dict
             ``{'A': ..., 'G': ...}`` giving forward (A) and backward (G, and
-            BatchNorm) statistics their own interval.
+            BatchNorm) statistics their own interval. ``None`` (the
+            default) is ``Adaptive()``: every factor starts fresh each step
+            and is refreshed less often while it changes slowly, which kept
+            the accuracy of fresh curvature in less time
+            (docs/guide/tuning.md); ``1`` refreshes every step.
         inverse_interval: Steps between recomputations of the inverses (an
             int or a callable); an inverse is only recomputed when its
             factors or the damping changed since.
@@ -139,7 +144,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  damping=_default_hyperparam.damping,
                  cov_ema_decay=_default_hyperparam.cov_ema_decay,
                  inverse='cholesky', bn_fisher='diagonal',
-                 factor_interval=1, inverse_interval=1, acc_iters=1,
+                 factor_interval=None, inverse_interval=1, acc_iters=1,
                  weight_decay=_default_hyperparam.weight_decay,
                  bn_damping_multiplier=(
                      _default_hyperparam.bn_damping_multiplier),
@@ -164,7 +169,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.divergence = options.choice(divergence, options.DIVERGENCE,
                                          'divergence')
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
-        self.factor_interval = options.factor_intervals(factor_interval)
+        self.factor_interval = options.factor_intervals(
+            schedules.Adaptive() if factor_interval is None
+            else factor_interval)
         self.inverse_interval = options.inverse_interval(inverse_interval)
         self.acc_iters = options.positive_int(acc_iters, 'acc_iters')
         self.spatial_subsample = options.positive_int(spatial_subsample,
