@@ -249,7 +249,11 @@ def main():
                             damping_at)
                         for seed in range(args.seeds)]
                 cells.append(summary(model_name, lr, opt_name, runs))
-    payload = {'kfac_options': reported, 'iterations': args.iterations,
+    # What the options set, and every option as K-FAC then had it.
+    payload = {'kfac_options': reported,
+               'kfac_option_values': chainerkfac.optimizers.KFAC(
+                   **options).option_values(),
+               'iterations': args.iterations,
                'batchsize': args.batchsize, 'seeds': args.seeds,
                'environment': harness.environment(), 'cells': cells}
     name = 'convergence_suite{}.json'.format(

@@ -718,9 +718,10 @@ def _tta_task(task, entry):
             _env_line(entry), '',
             '{} seeds, at most {} iterations, {} training and {} validation '
             'samples, learning rates {}, K-FAC intervals (factors, inverses) '
-            '{}.'.format(entry['seeds'], entry['max_iter'], entry['n_train'],
-                         entry['n_val'], entry.get('lr_grid'),
-                         tuple(entry['kfac_intervals'])), '',
+            '{} (`kfac_adaptive`: the default adaptive intervals).'.format(
+                entry['seeds'], entry['max_iter'], entry['n_train'],
+                entry['n_val'], entry.get('lr_grid'),
+                tuple(entry['kfac_intervals'])), '',
             '![{}](benchmarks_figures/{})'.format(task, png), '']
 
 

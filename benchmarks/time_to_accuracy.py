@@ -295,8 +295,7 @@ def plot(task_name, runs, best, target, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7),
                              squeeze=False)
-    colors = dict(zip(OPTIMIZERS, ('tab:blue', 'tab:red', 'tab:green',
-                                   'tab:purple', 'tab:orange')))
+    colors = {name: 'C{}'.format(k) for k, name in enumerate(OPTIMIZERS)}
     optimizers = sorted({o for _, o in best}, key=list(OPTIMIZERS).index)
     for col, batch in enumerate(batches):
         for opt in optimizers:

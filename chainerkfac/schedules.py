@@ -170,11 +170,14 @@ class RefreshSchedule:
 
         A snapshot taken with a fixed or scheduled interval holds no
         adaptive interval: loaded into an :class:`Adaptive` schedule, the
-        interval starts again from ``min_interval``."""
+        interval starts again from ``min_interval``. A loaded interval is
+        kept within this policy's ``min_interval`` and ``max_interval``."""
         last = serializer('last', -1 if self.last is None else self.last)
         self.last = None if int(last) < 0 else int(last)
         if self.interval is not None:
             try:
-                self.interval = int(serializer('interval', self.interval))
+                loaded = int(serializer('interval', self.interval))
             except KeyError:
-                self.interval = self.policy.min_interval
+                loaded = self.policy.min_interval
+            self.interval = min(max(loaded, self.policy.min_interval),
+                                self.policy.max_interval)
