@@ -149,6 +149,17 @@ def test_fixed_interval_snapshot_resumes_with_adaptive_intervals(tmp_path):
     assert calls[('fc', 'forward_statistics')] == [4, 6]
 
 
+def test_loaded_adaptive_interval_stays_within_the_policy():
+    saved = schedules.RefreshSchedule(schedules.Adaptive(max_interval=50))
+    saved.mark(1)
+    saved.interval = 50
+    snapshot = {}
+    saved.serialize(chainer.serializers.DictionarySerializer(snapshot))
+    loaded = schedules.RefreshSchedule(schedules.Adaptive(max_interval=10))
+    loaded.serialize(chainer.serializers.NpzDeserializer(snapshot))
+    assert (loaded.last, loaded.interval) == (1, 10)
+
+
 def test_stale_fisher_schedule_values():
     s = schedules.StaleFisher(warmup=500, growth_period=100, max_interval=5)
     assert [s(t) for t in (1, 500, 501, 599, 600, 700, 10 ** 6)] == \
