@@ -97,11 +97,11 @@ class LevenbergMarquardt:
 
     def update(self, lossfun, *args):
         self.t += 1
-        params = list(self.model.params())
         self.raw.active = self.t % self.interval == 0
         if not self.raw.active:
             self.kfac.update(lossfun, *args)
             return
+        params = list(self.model.params())
         before = [p.array.copy() for p in params]
         self.kfac.update(lossfun, *args)
         loss, z = self.model.loss, self.model.y.array
