@@ -60,28 +60,39 @@ WEIGHT_DECAY = 5e-4
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
-    # Factors every step (the default before Adaptive intervals).
-    'kfac': {'factor_interval': 1},
-    'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100},
-    'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50},
+    # The one-line swap at the defaults: KFAC(lr, momentum), its step as
+    # long as MomentumSGD's per layer (step_rule 'graft'), no bound.
+    'kfac_graft': {},
+    # The natural-gradient step under the update-norm guard (the default
+    # before grafting), factors every step.
+    'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
+    'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100,
+                    'step_rule': 'natural'},
+    'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50,
+                   'step_rule': 'natural'},
     'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
-                      'inverse_interval': 1},
-    # The one-line swap, KFAC(lr, momentum) under the same learning-rate
-    # schedule, its bound at the default and left alone (every other K-FAC
-    # run scales the bound with the schedule's squared factor): with factors
-    # every step, every 10 steps and inverses every 100, and at the default
-    # intervals, adapted to how fast the factors change.
-    'kfac_swap': {'factor_interval': 1},
-    'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100},
-    'kfac_swap_adaptive': {},
+                      'inverse_interval': 1, 'step_rule': 'natural'},
+    # The one-line swap before grafting, KFAC(lr, momentum) under the same
+    # learning-rate schedule, its bound at that default (NATURAL_KL_CLIP)
+    # and left alone (every other natural K-FAC run scales the bound with
+    # the schedule's squared factor): with factors every step, every 10
+    # steps and inverses every 100, and adaptive intervals.
+    'kfac_swap': {'factor_interval': 1, 'step_rule': 'natural'},
+    'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100,
+                         'step_rule': 'natural'},
+    'kfac_swap_adaptive': {'step_rule': 'natural'},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
-SWAPS = ('kfac_swap', 'kfac_swap_10_100', 'kfac_swap_adaptive')
+SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
+         'kfac_swap_adaptive')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
-#: The rows of the report: ``kfac_default`` is the best of K-FAC's runs at
-#: its default bound (scheduled), ``kfac_swap`` the one-line swap.
-ROWS = ('sgd', 'kfac', 'kfac_default') + SWAPS + STALE
-DEFAULT_KL_CLIP = chainerkfac.optimizers.KFAC().kl_clip
+#: The rows of the report: ``kfac_default`` is the best of the natural
+#: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
+#: the one-line swap at MomentumSGD's best learning rate.
+ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
+        'kfac_default') + SWAPS[1:] + STALE
+#: The update-norm guard's bound of the one-line swap before grafting.
+NATURAL_KL_CLIP = 1e-4
 
 _DATA = {}
 
@@ -206,10 +217,19 @@ def summarise(runs):
     best = {}
     for (batch, name, setting), group in groups.items():
         final = numpy.mean([g['curve'][-1]['val_accuracy'] for g in group])
-        if name == 'kfac' and setting[1] == DEFAULT_KL_CLIP:
+        if name == 'kfac' and setting[1] == NATURAL_KL_CLIP:
             # Also the best of K-FAC as the one-line swap gives it.
             _keep_best(best, (batch, 'kfac_default'), setting, group, final)
         _keep_best(best, (batch, name), setting, group, final)
+    for batch in sorted({b for b, _ in best}):
+        sgd = best.get((batch, 'sgd'))
+        group = sgd and groups.get((batch, 'kfac_graft', sgd['setting']))
+        if group:
+            # The one-line swap as a MomentumSGD user makes it: at the
+            # learning rate tuned for MomentumSGD.
+            _keep_best(best, (batch, 'kfac_graft_at_sgd_lr'), sgd['setting'],
+                       group, numpy.mean([g['curve'][-1]['val_accuracy']
+                                          for g in group]))
     summary = {}
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
@@ -221,7 +241,8 @@ def summarise(runs):
             if b != batch:
                 continue
             reached = [_to_target(r, target) for r in entry['runs']]
-            kind = 'kfac' if name == 'kfac_default' else name
+            kind = {'kfac_default': 'kfac', 'kfac_graft_at_sgd_lr':
+                    'kfac_graft'}.get(name, name)
             rows[name] = {
                 'setting': _setting_text(entry['setting']),
                 'seeds': entry['seeds'],
@@ -231,7 +252,9 @@ def summarise(runs):
                                                     k[2][1] or 0))
                          if bb == batch and n == kind and (
                              name != 'kfac_default'
-                             or st[1] == DEFAULT_KL_CLIP)},
+                             or st[1] == NATURAL_KL_CLIP) and (
+                             name != 'kfac_graft_at_sgd_lr'
+                             or st == entry['setting'])},
                 'final_accuracy': entry['final_accuracy'],
                 'final_val_loss': entry['final_val_loss'],
                 # Misses count as their whole run: when half the seeds or
@@ -304,9 +327,10 @@ def plot(best, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(len(batches), 4, squeeze=False,
                              figsize=(18, 4 * len(batches)))
-    colors = dict(zip(ROWS, ('tab:blue', 'tab:red', 'tab:gray',
-                             'tab:brown', 'tab:olive', 'tab:pink',
-                             'tab:orange', 'tab:green', 'tab:purple')))
+    colors = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
+                             'tab:gray', 'tab:brown', 'tab:olive',
+                             'tab:pink', 'tab:orange', 'tab:green',
+                             'tab:purple')))
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -386,6 +410,12 @@ def main(argv=None):
                         'factors every 10 steps and inverses every 100 '
                         '(kfac_swap_10_100), adaptive intervals '
                         '(kfac_swap_adaptive)')
+    parser.add_argument('--graft', default=None,
+                        help='base lrs of the one-line swap at the defaults '
+                        '(kfac_graft), e.g. MomentumSGD\'s grid')
+    parser.add_argument('--graft-kl-clips', default='default',
+                        help='kfac_graft\'s kl_clip: \'default\', \'none\' '
+                        'or numbers, each with every --graft lr')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -399,9 +429,10 @@ def main(argv=None):
         return
     done = {_key(r) for r in runs}
     batches = [int(b) for b in args.batches.split(',')]
-    grids = {'sgd': [(float(lr), None) for lr in args.lrs_sgd.split(',')],
+    grids = {'sgd': [(float(lr), None) for lr in args.lrs_sgd.split(',')
+                     if lr],
              'kfac': [(float(lr), float(kl))
-                      for kl in args.kl_clips.split(',')
+                      for kl in args.kl_clips.split(',') if kl
                       for lr in args.lrs_kfac.split(',')]}
     specs = [(name, lr, kl, batch, seed, args.epochs, args.warmup)
              for seed in range(args.seeds) for batch in batches
@@ -420,10 +451,18 @@ def main(argv=None):
         names = (['kfac_swap'] if args.swap else []) + (
             ['kfac_swap_10_100', 'kfac_swap_adaptive'] if args.swap_stale
             else [])
-        specs += [(name, lr, DEFAULT_KL_CLIP, batch, seed, args.epochs,
+        specs += [(name, lr, NATURAL_KL_CLIP, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches
                   for name in names]
+    if args.graft:
+        bounds = {'default': chainerkfac.optimizers.KFAC().kl_clip,
+                  'none': None}
+        specs += [('kfac_graft', float(lr), bounds[kl] if kl in bounds
+                   else float(kl), batch, seed, args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches
+                  for kl in args.graft_kl_clips.split(',')
+                  for lr in args.graft.split(',')]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)

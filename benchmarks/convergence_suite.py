@@ -116,11 +116,47 @@ class SmallResNet(chainer.Chain):
         return self.fc(F.average(h, axis=(2, 3)))
 
 
+class DeepVGG(chainer.Chain):
+    """A plain deep CNN: ten 3x3 convolutions, each followed by
+    BatchNormalization and ReLU (16, 16, pool, 32, 32, pool, 64 x 6 at 2x2),
+    global average pooling and a linear classifier; no shortcuts."""
+
+    WIDTHS = (16, 16, 'pool', 32, 32, 'pool', 64, 64, 64, 64, 64, 64)
+
+    def __init__(self):
+        super().__init__()
+        self.plan = []
+        channels = 1
+        with self.init_scope():
+            for width in self.WIDTHS:
+                if width == 'pool':
+                    self.plan.append(None)
+                    continue
+                k = len([p for p in self.plan if p is not None])
+                setattr(self, 'c{}'.format(k), L.Convolution2D(
+                    channels, width, 3, pad=1, nobias=True))
+                setattr(self, 'b{}'.format(k), L.BatchNormalization(width))
+                self.plan.append(k)
+                channels = width
+            self.fc = L.Linear(channels, 10)
+
+    def forward(self, x):
+        h = x
+        for k in self.plan:
+            if k is None:
+                h = F.max_pooling_2d(h, 2)
+            else:
+                h = F.relu(getattr(self, 'b{}'.format(k))(
+                    getattr(self, 'c{}'.format(k))(h)))
+        return self.fc(F.average(h, axis=(2, 3)))
+
+
 MODELS = {
     'mlp': (MLP, True),
     'cnn': (lambda: VGG(False), False),
     'cnn_bn': (lambda: VGG(True), False),
     'resnet': (SmallResNet, False),
+    'deep_cnn': (DeepVGG, False),
 }
 
 
@@ -206,10 +242,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--kfac', default='{}',
                         help='KFAC options as JSON (default: none)')
+    parser.add_argument('--variants', default=None,
+                        help='several K-FAC variants side by side, as JSON '
+                        '{name: options}: the cells name them (replaces '
+                        '--kfac)')
     parser.add_argument('--name', default='',
                         help='suffix of the JSON file for a variant')
     parser.add_argument('--models', default=','.join(MODELS))
-    parser.add_argument('--lrs', default='0.01,0.03,0.1')
+    parser.add_argument('--lrs', default='0.01,0.03,0.1,0.3,1.0')
     parser.add_argument('--seeds', type=int, default=2)
     parser.add_argument('--iterations', type=int, default=200)
     parser.add_argument('--batchsize', type=int, default=64)
@@ -221,13 +261,16 @@ def main():
                         help='K-FAC only (MomentumSGD from an earlier run)')
     args = parser.parse_args()
     harness.limit_threads(1)
-    options = json.loads(args.kfac)
+    variants = json.loads(args.variants) if args.variants else {
+        'kfac': json.loads(args.kfac)}
+    options = variants[next(iter(variants))]
     reported = dict(options)
     data = load_digits()
     lrs = [float(v) for v in args.lrs.split(',')]
     optimizers = {
-        'kfac': lambda lr: chainerkfac.optimizers.KFAC(
-            lr=lr, momentum=0.9, **options)}
+        name: (lambda opts: lambda lr: chainerkfac.optimizers.KFAC(
+            lr=lr, momentum=0.9, **opts))(opts)
+        for name, opts in variants.items()}
     if not args.no_sgd:
         optimizers['momentum_sgd'] = lambda lr: chainer.optimizers.MomentumSGD(
             lr=lr, momentum=0.9)
@@ -253,6 +296,11 @@ def main():
     payload = {'kfac_options': reported,
                'kfac_option_values': chainerkfac.optimizers.KFAC(
                    **options).option_values(),
+               'variants': {name: {
+                   'options': opts,
+                   'option_values': chainerkfac.optimizers.KFAC(
+                       **opts).option_values()}
+                   for name, opts in variants.items()},
                'iterations': args.iterations,
                'batchsize': args.batchsize, 'seeds': args.seeds,
                'environment': harness.environment(), 'cells': cells}

@@ -76,6 +76,11 @@ CONFIGS = {
     'kfac_1': ('K-FAC, refresh every step', _kfac(), None),
     'kfac_10_100': ('K-FAC, factors every 10, inverses every 100',
                     _kfac(factor_interval=10, inverse_interval=100), None),
+    'kfac_10_100_natural': (
+        'K-FAC, factors every 10, inverses every 100, the natural step '
+        'under the guard (the default before grafting)',
+        _kfac(factor_interval=10, inverse_interval=100, step_rule='natural',
+              kl_clip=1e-4), None),
     'kfac_50_50': ('K-FAC, factors and inverses every 50',
                    _kfac(factor_interval=50, inverse_interval=50), None),
     'kfac_stale_fisher': (

@@ -145,7 +145,13 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               # (inverses follow them), instead of --kfac-intervals.
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1}}
+                  'inverse_interval': 1},
+              # The defaults before grafting: the natural step under the
+              # update-norm guard's bound of 1e-4.
+              'kfac_adaptive_natural': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'natural',
+                  'kl_clip': 1e-4}}
 
 
 def make_optimizer(name, lr, intervals):
@@ -340,6 +346,12 @@ def main(argv=None):
                         help='comma-separated batch sizes instead of the '
                         'task\'s small and large batch')
     parser.add_argument('--threads', type=int, default=None)
+    parser.add_argument('--lrs-sgd', default=None,
+                        help='MomentumSGD\'s learning rates instead of the '
+                        'task\'s grid')
+    parser.add_argument('--lrs-kfac', default=None,
+                        help='K-FAC\'s learning rates (as many as '
+                        '--lrs-sgd) instead of the task\'s grid')
     parser.add_argument('--out', default='time_to_accuracy.json')
     args = parser.parse_args(argv)
     harness.limit_threads(args.threads)
@@ -372,6 +384,15 @@ def main(argv=None):
             task_grid = task.get('quick_lr_grid', grid)
         if args.batches:
             task['batches'] = tuple(int(b) for b in args.batches.split(','))
+        if args.lrs_sgd or args.lrs_kfac:
+            task_grid = {
+                key: tuple(float(v) for v in value.split(',')) if value
+                else task_grid[key]
+                for key, value in (('sgd', args.lrs_sgd),
+                                   ('kfac', args.lrs_kfac))}
+            if len(task_grid['sgd']) != len(task_grid['kfac']):
+                parser.error('--lrs-sgd and --lrs-kfac need as many '
+                             'learning rates')
         # --quick: two seeds on digits, one on the (slower) teacher task.
         seeds = args.seeds or (task.get('seeds', 3) if not args.quick else
                                2 if task_name == 'digits' else 1)

@@ -10,14 +10,17 @@ from chainerkfac import curvature  # NOQA
 from chainerkfac import divergence  # NOQA
 from chainerkfac import optimizers  # NOQA
 from chainerkfac import schedules  # NOQA
+from chainerkfac import step_rule  # NOQA
 from chainerkfac.curvature import NonFiniteError  # NOQA
 from chainerkfac.divergence import DivergenceError  # NOQA
 from chainerkfac.divergence import DivergenceWarning  # NOQA
+from chainerkfac.divergence import StallWarning  # NOQA
 from chainerkfac.distributed import create_communicator  # NOQA
 from chainerkfac.distributed import create_multi_node_optimizer  # NOQA
 
 __version__ = '0.1.0'
 
 __all__ = ['curvature', 'divergence', 'optimizers', 'schedules',
-           'NonFiniteError', 'DivergenceError', 'DivergenceWarning',
+           'step_rule', 'NonFiniteError', 'DivergenceError',
+           'DivergenceWarning', 'StallWarning',
            'create_communicator', 'create_multi_node_optimizer']

@@ -1,39 +1,52 @@
-"""Divergence that stays finite: noticed, named, and stopped on request.
+"""Divergence that stays finite, and a guard that stalls training: noticed,
+named, and told apart.
 
 A run at too large a learning rate can stay finite for hundreds of steps
 while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
-:class:`DivergenceMonitor` watches two signs, once per step:
+:class:`DivergenceMonitor` watches, once per step:
 
 * the training loss (when :meth:`KFAC.update
-  <chainerkfac.optimizers.KFAC.update>` computes it) rises above
-  :data:`LOSS_GROWTH` times the first loss it saw;
-* the update-norm guard (:mod:`chainerkfac.update_norm`) scaled the update
-  by less than :data:`HARD_SCALE` on :data:`PATIENCE` consecutive steps:
-  the learning rate asks for steps a thousand times longer than the bound
-  allows, so the guard, not the learning rate, sets the step.
+  <chainerkfac.optimizers.KFAC.update>` computes it): above
+  :data:`LOSS_GROWTH` times the first loss it saw, the run diverges
+  (:class:`DivergenceWarning`, or :class:`DivergenceError` with
+  ``divergence='raise'``);
+* the update-norm guard (:mod:`chainerkfac.update_norm`): a scale ``ν``
+  below :data:`HARD_SCALE` on :data:`PATIENCE` consecutive steps means the
+  bound, not the learning rate, sets every step, a thousand times shorter
+  than asked. That is not a divergence: where the loss has not fallen below
+  :data:`STALLED` times its first value the run stalls (a deep plain CNN
+  under the natural step and the bound of 1e-4 stayed at its first loss for
+  hundreds of steps), and the :class:`StallWarning` says what helps: the
+  grafted step (``step_rule='graft'``), whose length follows the learning
+  rate, or a larger ``kl_clip``. Lowering the learning rate or ``kl_clip``
+  would only shorten the steps further.
 
-On the first sign it warns once (:class:`DivergenceWarning`) with what to
-change; with ``divergence='raise'`` it raises :class:`DivergenceError`.
+Each kind of warning is given once.
 """
 import math
 import warnings
 
 #: The loss counts as diverged above this multiple of the first loss.
-LOSS_GROWTH = 100.0
+LOSS_GROWTH = 10.0
 #: A guard scale ``ν`` below this counts as a hard clip ...
 HARD_SCALE = 1e-3
-#: ... and this many hard clips in a row as a sign of divergence. Healthy
-#: runs clip hard for a few steps where the first factors are far from
-#: the later ones (``ν`` about 3e-3 for 15 steps on a ResNet-50 whose
+#: ... and this many hard clips in a row as the guard setting the step.
+#: Healthy runs clip hard for a few steps where the first factors are far
+#: from the later ones (``ν`` about 3e-3 for 15 steps on a ResNet-50 whose
 #: factors are refreshed every 50 steps).
 PATIENCE = 100
-
-_ADVICE = ('lower the learning rate, raise the damping, or lower kl_clip '
-           '(docs/guide/tuning.md)')
+#: A loss still above this fraction of its first value after
+#: :data:`PATIENCE` hard clips counts as stalled.
+STALLED = 0.9
 
 
 class DivergenceWarning(RuntimeWarning):
     """A K-FAC run shows a sign of divergence."""
+
+
+class StallWarning(RuntimeWarning):
+    """The update-norm guard sets every step of a K-FAC run and its loss
+    does not fall."""
 
 
 class DivergenceError(RuntimeError):
@@ -45,38 +58,64 @@ class DivergenceMonitor:
 
     Args:
         action (str): ``'warn'``: warn once; ``'raise'``: raise
-            :class:`DivergenceError` at the first sign.
+            :class:`DivergenceError` at the first sign of divergence (a
+            stall only warns).
     """
 
     def __init__(self, action):
         self.action = action
         self.first_loss = None
+        self.last_loss = None
         self.hard_clips = 0
-        self.warned = False
+        self.warned = set()
 
     def observe(self, step, loss=None, update_scale=1.0):
         """Checks step ``step``'s loss (``None`` if unknown) and guard
-        scale; warns or raises on a sign of divergence."""
-        sign = None
+        scale; warns or raises on a sign of divergence or of a stall."""
         if loss is not None and math.isfinite(loss):
             if self.first_loss is None:
                 self.first_loss = loss
-            elif loss > LOSS_GROWTH * abs(self.first_loss) > 0:
-                sign = ('the training loss {:.4g} is over {:g} times the '
-                        'first loss {:.4g}'.format(loss, LOSS_GROWTH,
-                                                   self.first_loss))
+            self.last_loss = loss
+            if loss > LOSS_GROWTH * abs(self.first_loss) > 0:
+                self._diverges(step, (
+                    'the training loss {:.4g} is over {:g} times the first '
+                    'loss {:.4g}; lower the learning rate (under the default '
+                    "step_rule='graft' K-FAC's steps are as long as "
+                    "MomentumSGD's at it), or bound the steps with kl_clip "
+                    '(docs/guide/tuning.md)').format(
+                        loss, LOSS_GROWTH, self.first_loss))
         self.hard_clips = self.hard_clips + 1 \
             if update_scale < HARD_SCALE else 0
-        if sign is None and self.hard_clips >= PATIENCE:
-            sign = ('the update-norm guard scaled the last {} updates by '
-                    'less than {:g}'.format(self.hard_clips, HARD_SCALE))
-        if sign is None:
-            return
-        message = 'K-FAC diverges at iteration {}: {}; {}'.format(
-            step, sign, _ADVICE)
+        if self.hard_clips >= PATIENCE:
+            self._guard_binds(step)
+
+    def _diverges(self, step, what):
+        message = 'K-FAC diverges at iteration {}: {}'.format(step, what)
         if self.action == 'raise':
             raise DivergenceError(message)
-        if not self.warned:
-            self.warned = True
-            warnings.warn(message + " (divergence='raise' stops the run)",
-                          DivergenceWarning, stacklevel=3)
+        self._warn(DivergenceWarning, message +
+                   " (divergence='raise' stops the run)")
+
+    def _guard_binds(self, step):
+        clipped = ('the update-norm guard scaled the last {} updates by '
+                   'less than {:g}: its bound kl_clip, not the learning '
+                   'rate, sets every step'.format(self.hard_clips,
+                                                  HARD_SCALE))
+        if self.first_loss is not None and self.last_loss is not None \
+                and self.last_loss < STALLED * self.first_loss:
+            return  # the loss falls: the bound is slow, not stuck
+        loss = 'the training loss is not known here' \
+            if self.last_loss is None else \
+            'the training loss {:.4g} has not fallen (first {:.4g})'.format(
+                self.last_loss, self.first_loss)
+        self._warn(StallWarning, (
+            "K-FAC stalls at iteration {}: {}, and {}. Use step_rule='graft'"
+            ' (the default), whose steps follow the learning rate, or raise '
+            'kl_clip; lowering the learning rate or kl_clip would shorten '
+            'the steps further (docs/guide/tuning.md)').format(
+                step, clipped, loss))
+
+    def _warn(self, category, message):
+        if category not in self.warned:
+            self.warned.add(category)
+            warnings.warn(message, category, stacklevel=4)

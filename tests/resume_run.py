@@ -37,9 +37,10 @@ class CNN(chainer.Chain):
         return self.fc(F.relu(self.bn(self.conv(x))))
 
 
-def make_optimizer(inverse):
+def make_optimizer(inverse, step_rule, kl_clip):
     return chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
+        step_rule=step_rule, kl_clip=kl_clip,
         factor_interval={'A': schedules.Adaptive(threshold=0.2),
                          'G': lambda t: 1 if t < 4 else 2},
         inverse_interval=3)
@@ -56,10 +57,14 @@ def main():
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--distributed', action='store_true')
     parser.add_argument('--mlp', action='store_true')
+    # The fixtures of older snapshots were written by the natural step
+    # under the guard's bound of 1e-4, the defaults of their time.
+    parser.add_argument('--step-rule', default='graft')
+    parser.add_argument('--kl-clip', type=float, default=None)
     args = parser.parse_args()
     numpy.random.seed(0)  # SplitMLP's default initializers draw from it
     model = split_model.SplitMLP(36) if args.mlp else CNN()
-    optimizer = make_optimizer(args.inverse)
+    optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')

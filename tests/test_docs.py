@@ -46,6 +46,7 @@ PUBLIC_MODULES = [
     'chainerkfac',
     'chainerkfac.optimizers',
     'chainerkfac.schedules',
+    'chainerkfac.step_rule',
     'chainerkfac.curvature',
     'chainerkfac.linalg',
     'chainerkfac.cpu_parallel',

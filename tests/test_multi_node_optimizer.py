@@ -3,8 +3,9 @@
 ``mpiexec -n 2`` and ``-n 4`` with per-rank batch b against one process
 with batch N b, float64, after steps that mix refresh and stale steps
 (adaptive A interval, G every 2 steps, inverses every 3), momentum, EMA,
-weight decay in both forms, a parameter outside K-FAC and the update-norm
-guard, whose scale per step is compared too. Replicas (and the guard's
+weight decay in both forms, a parameter outside K-FAC, each step rule
+(grafting by default) and the update-norm guard, whose scale per step is
+compared too. Replicas (and the guard's
 scales) are checked identical on every rank inside the script.
 """
 import json
@@ -36,14 +37,17 @@ def assert_same_parameters(got, expected, what):
             err_msg='{}, {}'.format(what, name))
 
 
-@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
-def test_distributed_equals_single_process(tmp_path, inverse):
-    expected = single_process(tmp_path, ['--inverse', inverse])
+@pytest.mark.parametrize('inverse,rule', [
+    ('cholesky', 'graft'), ('eigen', 'graft'), ('cholesky', 'natural'),
+    ('eigen', 'relative_kl')])
+def test_distributed_equals_single_process(tmp_path, inverse, rule):
+    options = ['--inverse', inverse, '--step-rule', rule]
+    expected = single_process(tmp_path, options)
     # The update-norm guard scales most steps, identically on every rank.
     assert (expected['update_scale'] < 1).sum() >= 4, expected['update_scale']
     for n in (2, 4):
         out = str(tmp_path / 'n{}.npz'.format(n))
-        mpi_helpers.run_mpi(n, SCRIPT, [out, '--inverse', inverse],
+        mpi_helpers.run_mpi(n, SCRIPT, [out] + options,
                             timeout=180, check=True)
         assert_same_parameters(numpy.load(out), expected,
                                '{} ranks'.format(n))
@@ -117,6 +121,10 @@ def test_half_precision_follows_single_process(tmp_path, options):
     # a part, so the owners compute no rows.
     (4, ['80,20'], {'fc1': (4, 80, 'explicit', True),
                     'fc2': (4, 20, 'cholesky', True)}),
+    # With the relative_kl step rule the owners add their blocks' whole
+    # ⟨∇, (F + λ)∇⟩ to the gathered sums (the other parts none).
+    (4, ['--step-rule', 'relative_kl'],
+     {'fc1': (2, 50, 'cholesky', False), 'fc2': (2, 51, 'cholesky', False)}),
     # The ranks of each Cholesky-form block factor its larger factor
     # together, as from SHARED_FACTORIZATION_MIN_DIM on: fc1's G (80) in
     # two panels, fc2's A (51) in one, each over 2 ranks.
@@ -151,6 +159,19 @@ def test_split_blocks_equal_single_process(tmp_path, n, options, parts):
             assert sizes[0] == 0
         else:
             assert 0 < sizes[0] < min(sizes[1:])
+
+
+def test_relative_kl_refuses_split_blocks_whose_owner_has_no_gradient(
+        tmp_path):
+    # The owners of the '80,20' case compute no part, so receive no
+    # gradient: relative_kl, which needs it, stops the job, naming why.
+    result = mpi_helpers.run_mpi(
+        4, SCRIPT, [str(tmp_path / 'x.npz'), '--mlp', '80,20',
+                    '--step-rule', 'relative_kl',
+                    '--max-load-imbalance', '1.0'], timeout=180)
+    assert result.returncode != 0
+    assert "step_rule 'relative_kl' needs" in result.stderr
+    assert 'max_load_imbalance=None' in result.stderr
 
 
 @pytest.mark.parametrize('n', [2, 4])

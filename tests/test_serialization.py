@@ -20,10 +20,14 @@ ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, 'resume_run.py')
 
 
-def run(tmp_path, name, start, stop, inverse, resume=None):
+#: The options of the older snapshots' runs (the defaults of their time).
+FIXTURE_OPTIONS = ['--step-rule', 'natural', '--kl-clip', '1e-4']
+
+
+def run(tmp_path, name, start, stop, inverse, resume=None, extra=()):
     out = str(tmp_path / name)
     cmd = [sys.executable, SCRIPT, str(start), str(stop), out,
-           '--inverse', inverse]
+           '--inverse', inverse] + list(extra)
     if resume:
         cmd += ['--resume', resume]
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -124,8 +128,10 @@ def assert_close_runs(straight, resumed):
 def test_snapshot_written_by_older_code_still_resumes(
         tmp_path, fixture, inverse):
     fixture = os.path.join(HERE, 'fixtures', fixture)
-    straight = run(tmp_path, 'straight', 0, 10, inverse)
-    resumed = run(tmp_path, 'resumed', 5, 10, inverse, resume=fixture)
+    straight = run(tmp_path, 'straight', 0, 10, inverse,
+                   extra=FIXTURE_OPTIONS)
+    resumed = run(tmp_path, 'resumed', 5, 10, inverse, resume=fixture,
+                  extra=FIXTURE_OPTIONS)
     assert_close_runs(straight + '.npz', resumed + '.npz')
 
 
@@ -134,7 +140,7 @@ def test_split_snapshot_written_by_older_code_still_resumes(tmp_path):
     # parts of split blocks), written before the split-block protocol
     # moved to chainerkfac.distributed (commit 7d85877).
     fixture = os.path.join(HERE, 'fixtures', 'snapshot_split')
-    extra = ['--mlp']
+    extra = ['--mlp'] + FIXTURE_OPTIONS
     straight = run_distributed(tmp_path, 'straight', 0, 10, n=3, extra=extra)
     resumed = run_distributed(tmp_path, 'resumed', 5, 10, fixture, n=3,
                               extra=extra)

@@ -45,6 +45,28 @@ def full_gradient(link):
                              axis=1)
 
 
+def dense_step_scales(rule, solved, damping_of, kl_clip, lr, batch):
+    """The step rule's ``ρ_b`` and the guard's ``ν`` from dense arrays:
+    ``solved[name] = (g, V, A, G)``; ``damping_of(name)`` the block's λ."""
+    if rule == 'natural':
+        rho = {name: 1.0 for name in solved}
+    elif rule == 'graft':
+        rho = {name: numpy.linalg.norm(g) / numpy.linalg.norm(V)
+               for name, (g, V, _, _) in solved.items()}
+    else:
+        q_natural = sum(numpy.vdot(V, g) for g, V, _, _ in solved.values())
+        q_sgd = sum(
+            brute_force.vec(g) @ (numpy.kron(A, G) + damping_of(name)
+                                  * numpy.eye(A.size // len(A) * len(G)))
+            @ brute_force.vec(g) for name, (g, _, A, G) in solved.items())
+        rho = dict.fromkeys(solved, min(1.0, numpy.sqrt(q_sgd / q_natural)))
+    kl = lr ** 2 * sum(rho[name] ** 2 * numpy.vdot(V, g)
+                       for name, (g, V, _, _) in solved.items())
+    nu = 1.0 if kl_clip is None else \
+        min(1.0, numpy.sqrt(kl_clip * batch / 64 / kl))
+    return rho, kl, nu
+
+
 # An inverse used once is kept as Cholesky factors (triangular solves); one
 # expected to serve many steps is formed explicitly.
 @pytest.mark.parametrize('inverse,inverse_interval,state', [
@@ -53,16 +75,23 @@ def full_gradient(link):
     ('eigen', 1, 'A_eigvecs')])
 @pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
                                         (numpy.float32, 2e-3)])
+@pytest.mark.parametrize('rule,kl_clip', [
+    ('natural', 1e-4), ('graft', None), ('graft', 1e-4),
+    ('relative_kl', None)])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
-                                               state, dtype, rtol):
-    # The update-norm guard, at its default bound, scales this step, so the
-    # dense reference applies its formula too: ν = min(1, sqrt(κ / (lr²
-    # Σ_b ⟨V_b, g_b⟩))), κ = kl_clip · 16 / 64 for this batch of 16.
+                                               state, dtype, rtol, rule,
+                                               kl_clip):
+    # V_b = F̂_b⁻¹ g_b by a dense solve; the step rule's ρ_b and the
+    # update-norm guard's ν = min(1, sqrt(κ / (lr² Σ_b ρ_b² ⟨V_b, g_b⟩))),
+    # κ = kl_clip · 16 / 64 for this batch of 16, by their formulas; then
+    # w <- w - lr ρ_b ν V_b (momentum 0).
     damping, lr = 1e-2, 0.5
+    numpy.random.seed(0)
     model = place(MLP(dtype))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
                                       inverse=inverse,
-                                      inverse_interval=inverse_interval)
+                                      inverse_interval=inverse_interval,
+                                      step_rule=rule, kl_clip=kl_clip)
     opt.setup(model)
     x, t = data(dtype=dtype)
     before = {n: host(p.array).astype(numpy.float64)
@@ -84,22 +113,33 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
         else:
             dense = numpy.kron(A, G) + damping * numpy.eye(len(A) * len(G))
         solved[block.name] = grad, brute_force.unvec(
-            numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape)
-    kl = lr ** 2 * sum(numpy.vdot(V, g) for g, V in solved.values())
-    nu = min(1.0, numpy.sqrt(opt.kl_clip * len(x) / 64 / kl))
-    assert nu < 0.5  # the guard acts here
+            numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape), \
+            A, G
+    rho, kl, nu = dense_step_scales(rule, solved, lambda name: damping,
+                                    kl_clip, lr, len(x))
+    if kl_clip is not None:
+        assert nu < 0.5  # the guard acts here
+    if rule == 'relative_kl':
+        assert max(rho.values()) < 1  # and so does the rule
     numpy.testing.assert_allclose(observation['kfac/kl'], kl,
                                   rtol=rtol)
     numpy.testing.assert_allclose(observation['kfac/update_scale'], nu,
                                   rtol=rtol)
-    for name, (_, V) in solved.items():
-        W_new = before['/' + name + '/W'] - lr * nu * V[:, :-1]
-        b_new = before['/' + name + '/b'] - lr * nu * V[:, -1]
+    for name, (_, V, _, _) in solved.items():
+        step = lr * rho[name] * nu * V
+        W_new = before['/' + name + '/W'] - step[:, :-1]
+        b_new = before['/' + name + '/b'] - step[:, -1]
         link = getattr(model, name)
         numpy.testing.assert_allclose(host(link.W.array), W_new, rtol=rtol,
                                       atol=rtol * abs(W_new).max())
         numpy.testing.assert_allclose(host(link.b.array), b_new, rtol=rtol,
                                       atol=rtol * abs(b_new).max())
+        if rule == 'graft' and kl_clip is None:
+            # SGD's step length, block by block.
+            g = full_gradient(getattr(ref, name))
+            numpy.testing.assert_allclose(numpy.linalg.norm(step),
+                                          lr * numpy.linalg.norm(g),
+                                          rtol=rtol)
 
 
 @pytest.mark.parametrize('kl_clip_batch,acc_iters,manual,batch', [
@@ -181,7 +221,7 @@ def test_optimizer_hooks_act_before_preconditioning():
     rate, damping, lr = 0.05, 1e-2, 0.5
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
-                                      kl_clip=None)
+                                      step_rule='natural', kl_clip=None)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
     x, t = data()
@@ -224,7 +264,8 @@ def test_paper_weight_decay_adds_to_gradient_and_damping():
     damping, decay, lr = 1e-2, 1e-1, 0.5
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
-                                      weight_decay=decay, kl_clip=None)
+                                      weight_decay=decay, step_rule='natural',
+                                      kl_clip=None)
     opt.setup(model)
     x, t = data()
     ref = reference_copy(model, x, t)

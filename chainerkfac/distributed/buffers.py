@@ -100,17 +100,20 @@ class Layout:
         carried (those the owner refreshed)."""
         return [f for f, _, _ in self.statistics.get(i, [])]
 
-    def gather(self, n_terms):
-        """Where the all-gather puts what: ``(places, groups, slots)``.
+    def gather(self, per_part, extra):
+        """Where the all-gather puts what: ``(places, groups, slots,
+        by_rank)``.
 
-        Each rank's segment holds its parts in :meth:`buffer_order
+        Each rank's segment holds its parts, ``by_rank[rank]``, in
+        :meth:`buffer_order
         <chainerkfac.distributed.Assignment.buffer_order>`, each part its
         piece of the preconditioned gradient, the owner's part then one
         interval per refreshed factor (:meth:`refreshed_factors`); after
-        the parts, the rank's ``n_terms`` terms. ``places[part]`` is the
-        offset of a part's piece, ``groups`` the starts of the runs that
-        share a transport scale (each piece, each part's intervals, each
-        term) and ``slots`` the offsets of the terms, rank by rank."""
+        the parts, the rank's terms: ``per_part`` for each of its parts, in
+        the same order, then ``extra``. ``places[part]`` is the offset of a
+        part's piece, ``groups`` the starts of the runs that share a
+        transport scale (each piece, each part's intervals, each term) and
+        ``slots[rank]`` the offsets of the rank's terms."""
         by_rank = [[] for _ in range(self.assignment.world_size)]
         for i, s in self.assignment.buffer_order():
             by_rank[self.assignment.shards[i][s]].append((i, s))
@@ -123,11 +126,11 @@ class Layout:
                 if s == 0:
                     groups.append(offset)
                     offset += len(self.refreshed_factors(i))
-            for _ in range(n_terms):
-                groups.append(offset)
-                slots.append(offset)
-                offset += 1
-        return places, groups, numpy.asarray(slots)
+            n_terms = per_part * len(items) + extra
+            groups += range(offset, offset + n_terms)
+            slots.append(numpy.arange(offset, offset + n_terms))
+            offset += n_terms
+        return places, groups, slots, by_rank
 
 
 def _pack(stat):

@@ -32,7 +32,7 @@ from chainer import backend
 from chainerkfac import cpu_parallel
 from chainerkfac import linalg
 from chainerkfac import timing
-from chainerkfac import update_norm
+from chainerkfac import step_rule
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import buffers
 from chainerkfac.distributed import consistency
@@ -204,23 +204,43 @@ class HybridParallelStages(stages.Stages):
         index = {id(block): i for i, block in enumerate(blocks)}
 
         def compute(block):
-            """``(this rank's part of V or None, its term of Σ⟨V, ∇⟩)``."""
+            """``(this rank's part of V or None, its step-rule sums or
+            None)``; the owner of a split block adds the whole block's
+            ``⟨∇, (F + λ)∇⟩`` (the other ranks hold no factors)."""
             i = index[id(block)]
+            damping = optimizer.curvature_damping(block)
             split = self.split.splits.get(i)
             if split is None:
-                return None, block.precondition(weight_decay)
+                return None, block.precondition(weight_decay, damping)
             s = parts[i]
             if split.empty(s):
-                return None, 0  # an owner busy enough with the inverses
+                # An owner busy enough with the inverses: no part of V, and
+                # no reduced gradient either.
+                if damping is not None:
+                    raise ValueError(
+                        "KFAC step_rule {!r} needs {}'s reduced gradient on "
+                        'its owner (rank {}), which computes no part of the '
+                        'split block and so receives none: use '
+                        'max_load_imbalance=None or another step_rule'
+                        .format(optimizer.step_rule, block.name,
+                                self.comm.rank))
+                return None, step_rule.identity_terms(
+                    block.gradient().ravel()[:0], False)
+            inner = 0.0
+            if s == 0 and damping is not None and block.ready():
+                inner = block.curvature_inner(block.gradient(weight_decay),
+                                              damping)
             form = self.split.part_form(block, i)
             if form is None:
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
                 part = split.part_of(block.gradient(), s)
-                return part, update_norm.inner(part, part)
+                return part, step_rule.identity_terms(
+                    part, damping is not None)
             grad = block.gradient(weight_decay)
             part = form.apply(grad)
-            return part, update_norm.inner(part, split.part_of(grad, s))
+            return part, step_rule.block_terms(part, split.part_of(grad, s),
+                                               inner)
 
         def flops(block):
             i = index[id(block)]
@@ -231,14 +251,19 @@ class HybridParallelStages(stages.Stages):
             compute, [blocks[i] for i in mine], flops)
         self._part_results = {i: part for i, (part, _) in zip(mine, results)
                               if part is not None}
-        return sum(inner for _, inner in results)
+        local = step_rule.stack_terms([terms for _, terms in results])
+        xp = backend.get_array_module(local)
+        everyone = xp.zeros((len(blocks), step_rule.N_TERMS),
+                            dtype=local.dtype)
+        everyone[mine] = local
+        return everyone
 
-    def gather(self, optimizer, terms):
+    def gather(self, optimizer, terms, samples):
         """All-gathers the preconditioned gradients, with the intervals
         the owners' schedules adapted to after refreshing factors, each
-        rank's terms of the update-norm guard (its part of
-        ``Σ_b ⟨V_b, ∇_b⟩`` and its batch size), which every rank adds up in
-        rank order, and a digest of its options
+        rank's terms (the step rule's sums of the parts it computed,
+        :mod:`chainerkfac.step_rule`, then its batch size), which every
+        rank adds up in rank order, and a digest of its options
         (:func:`~chainerkfac.distributed.consistency.options_digest`): an
         option changed on some ranks only after setup stops every rank
         here, naming it.
@@ -253,12 +278,11 @@ class HybridParallelStages(stages.Stages):
         layout = self._layout
         refreshed = {i: layout.refreshed_factors(i)
                      for i in range(len(blocks))}
-        terms = tuple(terms) + (consistency.options_digest(optimizer),)
-        n_terms = len(terms)
-        places, groups, slots = layout.gather(n_terms)
+        places, groups, slots, by_rank = layout.gather(step_rule.N_TERMS, 2)
         parts = []
         splits = self.split.splits
-        for i, s in sorted(self.split.parts.items()):
+        mine = sorted(self.split.parts.items())
+        for i, s in mine:
             block = blocks[i]
             if i in splits:
                 piece = self._part_results.get(i)
@@ -271,22 +295,33 @@ class HybridParallelStages(stages.Stages):
                     [block.schedules[f].interval or 0 for f in refreshed[i]]))
         grad0 = blocks[0].params()[0].grad
         xp = backend.get_array_module(grad0)
-        # The preconditioned gradients and the guard's terms of a float16
+        # The preconditioned gradients and the step's terms of a float16
         # model are float32, as computed (a transport_dtype narrows them).
         dtype = linalg.working_dtype(grad0.dtype)
-        parts.append(xp.stack([xp.asarray(t, dtype=dtype) for t in terms]))
+        parts.append(xp.asarray(terms[[i for i, _ in mine]],
+                                dtype=dtype).ravel())
+        parts.append(xp.asarray([samples, consistency.options_digest(
+            optimizer)]))
         parts = [xp.asarray(p, dtype=dtype) for p in parts]
-        counts = numpy.diff(numpy.append(
-            [0], slots.reshape(-1, n_terms)[:, -1] + 1)).tolist()
+        counts = numpy.diff([0] + [int(sl[-1]) + 1 for sl in slots]).tolist()
         everything = self.comm.all_gather_v(xp.concatenate(parts), counts,
                                             groups)
         chainer.report({'kfac/bytes/' + name: value for name, value
                         in self.comm.reset_bytes_moved().items()})
-        rows = backend.CpuDevice().send(
-            everything[slots]).reshape(-1, n_terms)
-        if (rows[:, -1] != rows[0, -1]).any():
+        values = backend.CpuDevice().send(
+            everything[numpy.concatenate(slots)]).astype(numpy.float64)
+        totals = numpy.zeros((len(blocks), step_rule.N_TERMS))
+        batch, digests, offset = 0.0, [], 0
+        for items, rank_slots in zip(by_rank, slots):
+            segment = values[offset:offset + len(rank_slots)]
+            offset += len(rank_slots)
+            rows = segment[:-2].reshape(-1, step_rule.N_TERMS)
+            for (i, _), row in zip(items, rows):
+                totals[i] += row
+            batch += segment[-2]
+            digests.append(segment[-1])
+        if len(set(digests)) > 1:
             self._check_options(optimizer)
-        totals = tuple(float(v) for v in rows[:, :-1].sum(axis=0))
         step = optimizer.t
         assembled = {i: xp.empty(layout.shapes[i], dtype=dtype)
                      for i in splits}
@@ -308,4 +343,4 @@ class HybridParallelStages(stages.Stages):
                     blocks[i].schedules[f].follow(step, interval)
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
-        return totals
+        return totals, batch

@@ -5,8 +5,10 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
     forward/backward        link hooks collect A and G on refresh steps only
     optimizer hooks 'pre'   e.g. WeightDecay, GradientClipping
     curvature               C <- d C + (1 - d) C_new; damped inverses when due
-    precondition            ∇ <- F̂⁻¹ ∇ for every supported link
-    update rule             v <- momentum v - lr ∇;  w <- w + v
+    precondition            V <- F̂⁻¹ ∇ for every supported link
+    step rule               V <- ρ V per link (grafting: SGD's length);
+                            the update-norm guard, if on, bounds it
+    update rule             v <- momentum v - lr V;  w <- w + v
     optimizer hooks 'post'
 
 Parameters of links without a Fisher block keep their raw gradient and so
@@ -22,6 +24,7 @@ from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
 from chainerkfac import schedules
+from chainerkfac import step_rule as step_rule_module
 from chainerkfac import timing as timing_module
 from chainerkfac import update_norm
 from chainerkfac.curvature import base
@@ -41,7 +44,7 @@ _default_hyperparam.damping = 1e-2
 _default_hyperparam.cov_ema_decay = 0.95
 _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
-_default_hyperparam.kl_clip = 1e-4
+_default_hyperparam.kl_clip = 1e-2
 
 
 class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
@@ -61,8 +64,20 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     gradients; all other parameters get momentum SGD.
 
     Args:
-        lr (float): Learning rate η: ``v <- momentum v - η F̂⁻¹∇``.
-        momentum (float): Momentum coefficient; 0 gives ``w <- w - η F̂⁻¹∇``.
+        lr (float): Learning rate η: ``v <- momentum v - η ρ F̂⁻¹∇``, with
+            the step rule's scale ``ρ`` per block; under the default
+            grafted step each layer's step is as long as MomentumSGD's at
+            the same learning rate, so its value and schedule carry over.
+        momentum (float): Momentum coefficient; 0 gives
+            ``w <- w - η ρ F̂⁻¹∇``.
+        step_rule (str or :class:`~chainerkfac.step_rule.StepRule`): How
+            long each block's step is (:mod:`chainerkfac.step_rule`):
+            ``'graft'`` (default) K-FAC's direction with the length of the
+            block's gradient, ``ρ_b = ‖∇_b‖ / ‖F̂_b⁻¹∇_b‖`` (learning-rate
+            grafting, Agarwal et al. 2020); ``'natural'`` the
+            natural-gradient step ``η F̂⁻¹∇`` (the default before
+            grafting); ``'relative_kl'`` the natural step bounded by the KL
+            change of SGD's step.
         damping (float): Tikhonov damping ε (see :mod:`chainerkfac.linalg`
             for how each inverse applies it).
         cov_ema_decay (float): Weight of the *old* statistics in
@@ -121,12 +136,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             by about ``k``; BatchNormalization statistics, which cost
             little, use the whole batch.
         kl_clip (float or None): The update-norm guard's bound κ (Ba et al.
-            2017 §5, :mod:`chainerkfac.update_norm`): every preconditioned
-            gradient is scaled by ``ν = min(1, sqrt(κ / q))``, with
-            ``q = lr² Σ_b ⟨F̂_b⁻¹∇_b, ∇_b⟩`` over the K-FAC blocks, so that
-            the step's approximate KL change stays bounded. A hyperparameter:
-            ``ExponentialShift('kl_clip', ...)`` gives it a schedule.
-            ``None`` turns the guard off.
+            2017 §5, :mod:`chainerkfac.update_norm`): every block's step
+            ``ρ_b F̂_b⁻¹∇_b`` is scaled by ``ν = min(1, sqrt(κ / q))``, with
+            ``q = lr² Σ_b ρ_b² ⟨F̂_b⁻¹∇_b, ∇_b⟩`` over the K-FAC blocks, so
+            that the step's approximate KL change stays bounded. Under the
+            grafted step a safety net: the default 1e-2 leaves ordinary
+            steps alone and stops those that would blow the model up. A
+            hyperparameter: ``ExponentialShift('kl_clip', ...)`` gives it a
+            schedule. ``None`` turns the guard off.
         kl_clip_batch (int or None): The global batch at which the bound is
             ``kl_clip``; it grows like the batch below it and like its
             square above it: ``κ = kl_clip · r · max(r, 1)``,
@@ -134,12 +151,13 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             forward passes since the previous step, micro-batches and a
             manual loop's several passes included, summed over processes).
             ``None`` keeps ``κ = kl_clip`` at every batch.
-        divergence (str): On a sign of a finite divergence (the loss over
-            100 times its first value, or the guard scaling every update
-            by less than 1e-3 for 100 steps;
-            :mod:`chainerkfac.divergence`), ``'warn'``
-            once or ``'raise'`` a
-            :class:`~chainerkfac.divergence.DivergenceError`.
+        divergence (str): On a divergence that stays finite (the training
+            loss over 10 times its first value;
+            :mod:`chainerkfac.divergence`), ``'warn'`` once or ``'raise'``
+            a :class:`~chainerkfac.divergence.DivergenceError`. A guard
+            that scales every update by less than 1e-3 for 100 steps while
+            the loss does not fall is a stall: a
+            :class:`~chainerkfac.divergence.StallWarning`, either way.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -153,7 +171,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 kl_clip_batch=64, divergence='warn', max_skipped_steps=100):
+                 kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
+                 step_rule='graft'):
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -171,6 +190,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                         'nonfinite')
         self.divergence = options.choice(divergence, options.DIVERGENCE,
                                          'divergence')
+        self.step_rule = step_rule_module.get(step_rule)
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
         self.factor_interval = options.factor_intervals(
             schedules.Adaptive() if factor_interval is None
@@ -206,6 +226,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
+
+    def curvature_damping(self, block):
+        """``λ`` of the ``⟨∇, (F + λ)∇⟩`` the step rule needs from
+        ``block`` (its own damping), or ``None`` when the rule needs none
+        (:mod:`chainerkfac.step_rule`)."""
+        if not self.step_rule.needs_curvature_inner:
+            return None
+        return block.effective_damping(self.hyperparam)
 
     def timing(self, stage):
         """A context that adds its wall time to ``stage`` of
@@ -388,11 +416,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         ``stats`` is ``{block: {factor: batch mean}}``; ``samples`` the
         size of this process's batch (``None``: unknown, the guard's bound
         is then ``kl_clip`` as given). Reports
-        ``kfac/damping``, ``kfac/kl`` (the guard's ``q`` before scaling),
-        ``kfac/update_scale`` (its ``ν``), ``kfac/factor_refreshes``
+        ``kfac/damping``, ``kfac/step_scale`` (the geometric mean of the
+        step rule's ``ρ``), ``kfac/kl`` (the guard's ``q`` of the rule's
+        step, before the guard), ``kfac/update_scale`` (the guard's
+        ``ν``), ``kfac/factor_refreshes``
         (factors refreshed this step), ``kfac/inverse_refreshes`` and, on
         steps that refreshed a factor, ``kfac/change_rate`` (mean over those
-        factors). Returns the guard's scale ``ν``.
+        factors). Scales every block's preconditioned gradient by ``ρ ν``.
+        Returns the guard's scale ``ν``.
         """
         step = self.t
         hp = self.hyperparam
@@ -422,20 +453,23 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         scale = self.blocks[0].gradient_loss_scale() if self.blocks \
             else self._loss_scale
         with self.timing('precondition'):
-            inner = self._stages.precondition(
+            terms = self._stages.precondition(
                 self, hp.weight_decay * (scale or 1))
-        inner, batch = self._stages.gather(self, (inner, samples or 0))
-        kl = update_norm.kl_estimate(inner, hp.lr, scale)
+        terms, batch = self._stages.gather(self, terms, samples or 0)
+        rho = self.step_rule.scales(terms)
+        kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
+                                     scale)
         nu = update_norm.scale(kl, update_norm.bound(
             hp.kl_clip, batch or None, self.kl_clip_batch))
-        if nu < 1:
-            for block in self.blocks:
+        for block, factor in zip(self.blocks, rho * nu):
+            if factor != 1:
                 for param in block.params():
-                    param.grad *= nu
+                    param.grad *= float(factor)
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
         report = {'kfac/damping': hp.damping,
                   'kfac/kl': kl, 'kfac/update_scale': nu,
+                  'kfac/step_scale': step_rule_module.typical(rho),
                   'kfac/factor_refreshes': sum(map(len, rates.values())),
                   'kfac/inverse_refreshes': len(refreshed)}
         if measured:

@@ -97,7 +97,7 @@ def option_values(optimizer):
         kl_clip_batch=optimizer.kl_clip_batch,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
-        precondition=optimizer.use_kfac)
+        precondition=optimizer.use_kfac, step_rule=optimizer.step_rule)
     return {name: option_text(value) for name, value in values.items()}
 
 

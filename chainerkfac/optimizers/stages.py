@@ -10,7 +10,7 @@ the blocks live to a :class:`Stages` object::
     owned            the blocks this process refreshes (stages 4-5)
     share_inverses   after the refresh: what split blocks' parts need
     precondition     V = F̂⁻¹ ∇ for this process's blocks (stage 5)
-    gather           V and the guard's sums on every process (stage 6)
+    gather           V and the step rule's sums on every process (stage 6)
 
 :class:`LocalStages` is one process, where nothing moves;
 :class:`chainerkfac.distributed.HybridParallelStages` is the paper's hybrid
@@ -20,7 +20,11 @@ same code for both.
 import abc
 import sys
 
+from chainer import backend
+import numpy
+
 from chainerkfac import cpu_parallel
+from chainerkfac import step_rule
 
 
 class Stages(abc.ABC):
@@ -66,14 +70,17 @@ class Stages(abc.ABC):
     def precondition(self, optimizer, weight_decay):
         """Replaces the gradients of the blocks (or parts of blocks) this
         process preconditions by ``V = F̂⁻¹ ∇``; returns this process's part
-        of ``Σ_b ⟨V_b, ∇_b⟩`` (:mod:`chainerkfac.update_norm`)."""
+        of the step rule's sums, an array ``(len(optimizer.blocks),
+        step_rule.N_TERMS)`` (:func:`chainerkfac.step_rule.block_terms`;
+        zero rows for the blocks it does not precondition)."""
 
     @abc.abstractmethod
-    def gather(self, optimizer, terms):
+    def gather(self, optimizer, terms, samples):
         """Shares preconditioned gradients and the refresh schedules of the
         factors this process refreshed. ``terms`` is this process's part of
-        the update-norm guard's sums, ``(Σ_b ⟨V_b, ∇_b⟩, samples in its
-        batch)``; returns their sums over every process, the same numbers on
+        the step rule's sums (what :meth:`precondition` returned),
+        ``samples`` the size of its batch; returns their sums over every
+        process, ``(NumPy array like terms, number)``, the same numbers on
         each."""
 
 
@@ -115,13 +122,14 @@ class LocalStages(Stages):
         pass
 
     def precondition(self, optimizer, weight_decay):
-        return sum(cpu_parallel.map_blocks(
-            lambda block: block.precondition(weight_decay),
+        return step_rule.stack_terms(cpu_parallel.map_blocks(
+            lambda block: block.precondition(
+                weight_decay, optimizer.curvature_damping(block)),
             self.owned(optimizer.blocks),
             cpu_parallel.block_work('precondition_cost')))
 
-    def gather(self, optimizer, terms):
-        return terms
+    def gather(self, optimizer, terms, samples):
+        return backend.CpuDevice().send(terms).astype(numpy.float64), samples
 
 
 def refuse_under_mpi():

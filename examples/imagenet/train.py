@@ -191,7 +191,7 @@ def build_optimizer(config, comm, model):
             config['inverse_interval']),
         acc_iters=config['acc_iters'], weight_decay=config['weight_decay'],
         bn_damping_multiplier=config['bn_damping_multiplier'],
-        kl_clip=config['kl_clip'])
+        kl_clip=config['kl_clip'], step_rule=config['step_rule'])
     optimizer = chainerkfac.create_multi_node_optimizer(kfac, comm)
     optimizer.setup(model)
     if config['weight_rescaling']:

@@ -5,9 +5,10 @@
 
 A stale step must move only gradients: the reduce-scatter-v and the
 all-gather-v each carry exactly the gradients of the K-FAC blocks (the
-all-gather-v also three numbers per rank, its terms of the update-norm
-guard's sums and the digest of its options), and the allreduce carries
-the other gradients and the BatchNorm running statistics.
+all-gather-v also the step rule's four sums of each part a rank
+computes, and per rank its batch size and the digest of its options), and
+the allreduce carries the other gradients and the BatchNorm running
+statistics.
 A refresh step adds the upper triangles of the refreshed factors. Replicas,
 running statistics included, stay identical. With ``--split`` two blocks
 of :class:`tests.split_model.SplitMLP` are split over the ranks, one with
@@ -28,6 +29,7 @@ import chainer.functions as F
 import chainer.links as L
 import numpy
 
+from chainerkfac import step_rule
 from chainerkfac.curvature import cost
 from chainerkfac.distributed import cholesky
 from tests import split_model
@@ -73,8 +75,10 @@ def main():
         rates = 5 if refresh else 0  # one change rate per refreshed factor
         expected = {
             'kfac/bytes/reduce_scatter_v': (grads + factors) * itemsize,
-            'kfac/bytes/all_gather_v': (grads + rates + 3 * comm.size)
-            * itemsize,
+            'kfac/bytes/all_gather_v': (
+                grads + rates + step_rule.N_TERMS * len(
+                    optimizer.stages.assignment.buffer_order())
+                + 2 * comm.size) * itemsize,
             'kfac/bytes/allreduce': replicated * itemsize,
         }
         for key, value in expected.items():
@@ -125,8 +129,10 @@ def main_split():
         assert forms == [True, False], (forms, assignment)
         refresh = step in (1, 4)
         scattered = sent = broadcast = 0
-        # Each rank's terms of the guard's sums and its options digest.
-        gathered = 3 * comm.size
+        # The step rule's sums of every part; each rank's batch size and
+        # options digest.
+        gathered = step_rule.N_TERMS * len(assignment.buffer_order()) \
+            + 2 * comm.size
         if step == 1:
             # The parameters of rank 0, broadcast before the first update.
             broadcast += sum(p.size for p in model.params())

@@ -93,6 +93,8 @@ def main():
     parser.add_argument('--min-shared-dim', type=int, default=None)
     parser.add_argument('--float16', action='store_true')
     parser.add_argument('--transport-dtype', default=None)
+    parser.add_argument('--step-rule', default='graft')
+    parser.add_argument('--kl-clip', type=float, default=1e-5)
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
@@ -108,7 +110,8 @@ def main():
         factor_interval=1 if args.every_step else {
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
-        acc_iters=args.acc_iters, kl_clip=1e-4)
+        acc_iters=args.acc_iters, kl_clip=args.kl_clip,
+        step_rule=args.step_rule)
     if args.float16:
         optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1

@@ -1,0 +1,172 @@
+"""The step rule: how long each K-FAC block's step is.
+
+Preconditioning gives every block ``b`` a direction ``V_b = F̂_b⁻¹ g_b``
+(``g_b`` the gradient the block preconditioned: optimizer hooks such as
+``WeightDecay`` and K-FAC's own ``weight_decay`` term included). A step rule
+rescales it, ``V_b <- ρ_b V_b``, before the update rule's
+``v <- μ v − η V; w <- w + v``. Its inputs are four sums per block, which
+the stages add over processes in the all-gather the step already makes
+(:meth:`Stages.gather <chainerkfac.optimizers.stages.Stages.gather>`), so
+that every process computes the same ``ρ``::
+
+    ⟨V_b, g_b⟩    ⟨V_b, V_b⟩    ⟨g_b, g_b⟩    ⟨g_b, (F_b + λ_b) g_b⟩
+
+(the last one only for :class:`RelativeKL`). The update-norm guard
+(:mod:`chainerkfac.update_norm`) then bounds what the rule chose.
+
+Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
+
+* :class:`Graft` (``'graft'``, the default): layer-wise learning-rate
+  grafting (Agarwal, Anil, Hazan, Koren & Zhang 2020, "Disentangling
+  adaptive gradient methods from learning rates", §3: the magnitude of one
+  method, the direction of another, per layer). Each block keeps K-FAC's
+  direction and takes the length of its gradient::
+
+      ρ_b = ‖g_b‖ / ‖V_b‖
+
+  so that ``η ρ_b V_b`` is exactly as long as plain SGD's step ``η g_b`` at
+  the same learning rate, block by block. Grafting happens before
+  momentum (as Distributed Shampoo grafts): one momentum buffer
+  accumulates grafted steps, as MomentumSGD's accumulates gradients. The
+  learning rate and its schedule then set the step as they do for
+  MomentumSGD; the curvature and the damping only turn it.
+* :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
+  ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
+  damping set together (and the guard, where it binds).
+* :class:`RelativeKL` (``'relative_kl'``): the natural step, shortened
+  (one scale for the whole model) where its approximate KL change exceeds
+  that of SGD's step ``η g`` at the same learning rate under the same
+  damped curvature (Ba et al. 2017 §5's bound, taken relative to SGD's
+  step instead of a constant)::
+
+      q_K = Σ_b ⟨V_b, g_b⟩,   q_S = Σ_b ⟨g_b, (F_b + λ_b) g_b⟩
+      ρ = min(1, sqrt(q_S / q_K))
+
+  (``η²`` cancels). ``F_b`` is the block's stored Fisher factors, ``λ_b``
+  its damping (:meth:`FisherBlock.curvature_inner
+  <chainerkfac.curvature.base.FisherBlock.curvature_inner>`); this costs
+  about one more preconditioning per step.
+
+A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
+every rule.
+"""
+import math
+
+from chainer import backend
+import numpy
+
+#: The per-block sums, in their order in the gathered terms.
+TERMS = ('vg', 'vv', 'gg', 'gfg')
+N_TERMS = len(TERMS)
+
+
+def block_terms(preconditioned, gradient, curvature_inner=0.0):
+    """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩, curvature_inner]`` for one block (or
+    one part of a block: the first three add over parts), as one array of
+    the arrays' module (read back once per step, not once per block)."""
+    xp = backend.get_array_module(gradient)
+    V, g = preconditioned.ravel(), gradient.ravel()
+    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g),
+                     xp.asarray(curvature_inner, dtype=V.dtype)])
+
+
+def identity_terms(gradient, curvature):
+    """:func:`block_terms` of a block without an inverse (``V = g``,
+    ``F̂ = I``): ``⟨g, g⟩`` four times (the last 0 unless ``curvature``)."""
+    xp = backend.get_array_module(gradient)
+    gg = xp.vdot(gradient.ravel(), gradient.ravel())
+    return xp.stack([gg, gg, gg, gg if curvature else xp.zeros_like(gg)])
+
+
+def stack_terms(rows):
+    """The rows of :func:`block_terms` as one ``(blocks, N_TERMS)`` array
+    (a NumPy one without blocks)."""
+    if not rows:
+        return numpy.zeros((0, N_TERMS))
+    return backend.get_array_module(rows[0]).stack(rows)
+
+
+def typical(scales):
+    """The geometric mean of the positive ``scales`` (1 if none): what
+    ``kfac/step_scale`` reports, the factor by which the rule typically
+    changed K-FAC's natural step (below 1 under grafting: the natural
+    step is longer than SGD's)."""
+    positive = scales[scales > 0]
+    return float(numpy.exp(numpy.log(positive).mean())) if len(positive) \
+        else 1.0
+
+
+class StepRule:
+    """Turns the gathered per-block sums into the blocks' scales ``ρ``."""
+
+    #: The option's name for the rule.
+    name = None
+    #: Whether the rule needs ``⟨g_b, (F_b + λ_b) g_b⟩`` (which costs a
+    #: product with the factors on every step).
+    needs_curvature_inner = False
+
+    def scales(self, terms):
+        """``ρ`` per block (a NumPy vector) from ``terms``, a NumPy array
+        ``(blocks, N_TERMS)`` of the sums over every process."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return repr(self.name)
+
+    def __eq__(self, other):
+        return type(self) is type(other)
+
+    def __hash__(self):
+        return hash(type(self))
+
+
+class Natural(StepRule):
+    """``ρ_b = 1``: the natural-gradient step ``η F̂⁻¹ g``."""
+
+    name = 'natural'
+
+    def scales(self, terms):
+        return numpy.ones(len(terms))
+
+
+class Graft(StepRule):
+    """``ρ_b = ‖g_b‖ / ‖V_b‖``: SGD's step length per block, K-FAC's
+    direction (Agarwal et al. 2020)."""
+
+    name = 'graft'
+
+    def scales(self, terms):
+        vv, gg = terms[:, 1], terms[:, 2]
+        # A zero V (a zero gradient) stays zero: nothing to lengthen.
+        safe = numpy.where(vv > 0, vv, 1.0)
+        return numpy.where(vv > 0, numpy.sqrt(gg / safe), 1.0)
+
+
+class RelativeKL(StepRule):
+    """``ρ = min(1, sqrt(Σ⟨g, F̂g⟩ / Σ⟨V, g⟩))`` for every block: the
+    natural step, bounded by the KL change of SGD's step."""
+
+    name = 'relative_kl'
+    needs_curvature_inner = True
+
+    def scales(self, terms):
+        q_natural, q_sgd = float(terms[:, 0].sum()), float(terms[:, 3].sum())
+        rho = 1.0
+        if q_natural > 0 and q_sgd >= 0:
+            rho = min(1.0, math.sqrt(q_sgd / q_natural))
+        return numpy.full(len(terms), rho)
+
+
+RULES = {rule.name: rule for rule in (Graft, Natural, RelativeKL)}
+
+
+def get(value):
+    """The :class:`StepRule` the ``step_rule`` option names (a name in
+    :data:`RULES` or a :class:`StepRule`)."""
+    if isinstance(value, StepRule):
+        return value
+    if value not in RULES:
+        raise ValueError('KFAC step_rule must be one of {} or a StepRule, '
+                         'got {!r}'.format(', '.join(map(repr, RULES)),
+                                           value))
+    return RULES[value]()
