@@ -223,13 +223,15 @@ def summarise(runs):
         _keep_best(best, (batch, name), setting, group, final)
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
-        group = sgd and groups.get((batch, 'kfac_graft', sgd['setting']))
+        group = sgd and groups.get((batch, 'kfac_graft', (
+            sgd['setting'][0], chainerkfac.optimizers.KFAC().kl_clip)))
         if group:
             # The one-line swap as a MomentumSGD user makes it: at the
             # learning rate tuned for MomentumSGD.
-            _keep_best(best, (batch, 'kfac_graft_at_sgd_lr'), sgd['setting'],
-                       group, numpy.mean([g['curve'][-1]['val_accuracy']
-                                          for g in group]))
+            _keep_best(best, (batch, 'kfac_graft_at_sgd_lr'),
+                       _setting(group[0]), group,
+                       numpy.mean([g['curve'][-1]['val_accuracy']
+                                   for g in group]))
     summary = {}
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))

@@ -146,6 +146,10 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
+              # The default grafted step with a looser safety bound.
+              'kfac_adaptive_kl0.1': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'kl_clip': 0.1},
               # The defaults before grafting: the natural step under the
               # update-norm guard's bound of 1e-4.
               'kfac_adaptive_natural': {

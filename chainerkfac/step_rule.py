@@ -45,7 +45,10 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
   (``η²`` cancels). ``F_b`` is the block's stored Fisher factors, ``λ_b``
   its damping (:meth:`FisherBlock.curvature_inner
   <chainerkfac.curvature.base.FisherBlock.curvature_inner>`); this costs
-  about one more preconditioning per step.
+  about one more preconditioning per step. Measured on the convergence
+  suite (``docs/guide/tuning.md``) it does not pay: SGD's KL budget,
+  spent along the directions of least curvature, diverged on the CNN
+  without BatchNorm from lr 0.01 on.
 
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
