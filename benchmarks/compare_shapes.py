@@ -13,15 +13,24 @@ the first ``--warmup`` epochs, cosine decay to zero at the end, weight
 decay 5e-4 (Chainer's ``WeightDecay`` hook, for both), momentum 0.9.
 MomentumSGD and K-FAC get the same budget: a grid of base learning rates
 (``--lrs-sgd``, ``--lrs-kfac``) times ``--seeds`` seeds at each batch.
-K-FAC runs at its defaults but refreshes its factors every step; its
+K-FAC's natural-step grid (``kfac``) refreshes its factors every step; its
 update-norm guard's bound follows the schedule's squared factor, as the
 guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
 nor the decay.
 
-``--swap`` adds the one-line swap: ``KFAC(lr, momentum)`` at its default
-bound, which is left alone while the learning rate follows the schedule
+``--graft LRS`` adds the one-line swap at today's defaults (``kfac_graft``:
+the grafted step, whose length follows the learning rate as MomentumSGD's
+does, the safety bound at its default or ``--graft-kl-clips``, adaptive
+intervals) at the base learning rates given, typically MomentumSGD's
+grid; the report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
+best base learning rate. The K-FAC rows below it are the natural step
+(``step_rule='natural'``), the default before grafting.
+
+``--swap`` adds the one-line swap as it was before grafting:
+``KFAC(lr, momentum, step_rule='natural')`` at the bound of then (1e-4),
+which is left alone while the learning rate follows the schedule
 (factors every step; ``--swap-stale``: every 10 steps and inverses every
-100, and the default adaptive intervals).
+100, and adaptive intervals).
 After the grid, K-FAC's best base learning rate at each batch also runs
 with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).

@@ -171,6 +171,19 @@ def load_digits():
     return (x[400:], y[400:]), (x[:400], y[:400])
 
 
+def classifier(model_name, data, seed):
+    """``(L.Classifier of the model, train, validation)``: the model's
+    initial weights drawn from ``seed``, the digits flattened for the
+    MLP."""
+    (x_train, y_train), (x_val, y_val) = data
+    factory, flat = MODELS[model_name]
+    if flat:
+        x_train = x_train.reshape(len(x_train), -1)
+        x_val = x_val.reshape(len(x_val), -1)
+    numpy.random.seed(seed)
+    return L.Classifier(factory()), (x_train, y_train), (x_val, y_val)
+
+
 def run(model_name, make_optimizer, seed, iterations, batchsize, data,
         damping_at=None):
     """Trains one model; returns its losses and final validation figures.
@@ -178,13 +191,8 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
     ``damping_at(t)``, if given, sets K-FAC's damping before update ``t``
     (what a Trainer extension such as the ImageNet example's
     ``DampingWarmup`` does)."""
-    (x_train, y_train), (x_val, y_val) = data
-    factory, flat = MODELS[model_name]
-    if flat:
-        x_train = x_train.reshape(len(x_train), -1)
-        x_val = x_val.reshape(len(x_val), -1)
-    numpy.random.seed(seed)
-    model = L.Classifier(factory())
+    model, (x_train, y_train), (x_val, y_val) = classifier(model_name, data,
+                                                           seed)
     optimizer = make_optimizer()
     optimizer.setup(model)
     rng = numpy.random.RandomState(seed)

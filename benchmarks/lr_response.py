@@ -22,7 +22,6 @@ sys.path.insert(0, HERE)
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
-import chainer.links as L
 import numpy
 
 import convergence_suite
@@ -38,12 +37,7 @@ OPTIMIZERS = {
 
 def update_norms(model_name, options, lr_at, steps, seed, data):
     """The update norm of every step, the lr set to ``lr_at(t)`` first."""
-    (x, y), _ = data
-    factory, flat = convergence_suite.MODELS[model_name]
-    if flat:
-        x = x.reshape(len(x), -1)
-    numpy.random.seed(seed)
-    model = L.Classifier(factory())
+    model, (x, y), _ = convergence_suite.classifier(model_name, data, seed)
     optimizer = chainer.optimizers.MomentumSGD(momentum=0.9) \
         if options is None else chainerkfac.optimizers.KFAC(
             momentum=0.9, **options)

@@ -10,7 +10,6 @@ import sys
 import warnings
 
 import chainer
-import chainer.links as L
 import numpy
 import pytest
 
@@ -29,12 +28,7 @@ def digits():
 
 def losses(model_name, optimizer, data, steps=40, seed=0):
     """Training losses of ``steps`` updates, and the warnings raised."""
-    (x, y), _ = data
-    factory, flat = convergence_suite.MODELS[model_name]
-    if flat:
-        x = x.reshape(len(x), -1)
-    numpy.random.seed(seed)
-    model = L.Classifier(factory())
+    model, (x, y), _ = convergence_suite.classifier(model_name, data, seed)
     optimizer.setup(model)
     rng = numpy.random.RandomState(seed)
     result = []

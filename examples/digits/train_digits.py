@@ -38,8 +38,8 @@ SmallCNN, load_digits = _EXAMPLE.CNN, _EXAMPLE.digits
 
 
 OPTIMIZERS = {
-    # The one-line swap: the update-norm guard's bound grows with the batch
-    # (kl_clip_batch), so batch 512 needs no option of its own.
+    # The one-line swap: MomentumSGD's learning rate, K-FAC's direction (the
+    # grafted step); the safety bound grows with the batch (kl_clip_batch).
     'kfac': lambda: chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.9),
     'momentum_sgd': lambda: chainer.optimizers.MomentumSGD(lr=0.1,
                                                            momentum=0.9),
