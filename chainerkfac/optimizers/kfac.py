@@ -305,8 +305,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         rows += [(name, 'momentum SGD: {}'.format(reason))
                  for name, reason in self._unsupported]
         width = max([len(r[0]) for r in rows] + [4])
-        lines = ['KFAC ({} inverse, {} BatchNorm Fisher): {} blocks'.format(
-            self.inverse, self.bn_fisher, len(self.blocks))]
+        lines = ['KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} blocks'
+                 .format(self.step_rule.name, self.inverse, self.bn_fisher,
+                         len(self.blocks))]
         lines += ['  {:<{}}  {}'.format(n, width, d) for n, d in rows]
         if sgd:
             lines.append('  momentum SGD parameters: {}'.format(
