@@ -53,7 +53,7 @@ def test_conv_and_batch_norm_steps_equal_dense_solves(inverse, bn_fisher,
     optimizer = chainerkfac.optimizers.KFAC(
         lr=lr, momentum=0.0, damping=damping, inverse=inverse,
         bn_fisher=bn_fisher, bn_damping_multiplier=multiplier,
-        step_rule='natural')
+        step_rule='natural', kl_clip=None)
     optimizer.setup(model)
     rng = numpy.random.RandomState(0)
     x, t = rng.randn(8, 2, 5, 5), rng.randint(0, 4, 8)
