@@ -97,13 +97,14 @@ class DivergenceMonitor:
                    " (divergence='raise' stops the run)")
 
     def _guard_binds(self, step):
+        if StallWarning in self.warned or (
+                self.last_loss is not None
+                and self.last_loss < STALLED * self.first_loss):
+            return  # said once; or the loss falls: slow, not stuck
         clipped = ('the update-norm guard scaled the last {} updates by '
                    'less than {:g}: its bound kl_clip, not the learning '
                    'rate, sets every step'.format(self.hard_clips,
                                                   HARD_SCALE))
-        if self.first_loss is not None and self.last_loss is not None \
-                and self.last_loss < STALLED * self.first_loss:
-            return  # the loss falls: the bound is slow, not stuck
         loss = 'the training loss is not known here' \
             if self.last_loss is None else \
             'the training loss {:.4g} has not fallen (first {:.4g})'.format(

@@ -116,12 +116,6 @@ class StepRule:
     def __repr__(self):
         return repr(self.name)
 
-    def __eq__(self, other):
-        return type(self) is type(other)
-
-    def __hash__(self):
-        return hash(type(self))
-
 
 class Natural(StepRule):
     """``ρ_b = 1``: the natural-gradient step ``η F̂⁻¹ g``."""

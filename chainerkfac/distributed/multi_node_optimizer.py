@@ -224,12 +224,7 @@ class HybridParallelStages(stages.Stages):
                         'max_load_imbalance=None or another step_rule'
                         .format(optimizer.step_rule, block.name,
                                 self.comm.rank))
-                return None, step_rule.identity_terms(
-                    block.gradient().ravel()[:0], False)
-            inner = 0.0
-            if s == 0 and damping is not None and block.ready():
-                inner = block.curvature_inner(block.gradient(weight_decay),
-                                              damping)
+                return None, None
             form = self.split.part_form(block, i)
             if form is None:
                 # As an unsplit block before its first inverse: the raw
@@ -238,6 +233,8 @@ class HybridParallelStages(stages.Stages):
                 return part, step_rule.identity_terms(
                     part, damping is not None)
             grad = block.gradient(weight_decay)
+            inner = 0.0 if s or damping is None \
+                else block.curvature_inner(grad, damping)
             part = form.apply(grad)
             return part, step_rule.block_terms(part, split.part_of(grad, s),
                                                inner)
@@ -251,11 +248,16 @@ class HybridParallelStages(stages.Stages):
             compute, [blocks[i] for i in mine], flops)
         self._part_results = {i: part for i, (part, _) in zip(mine, results)
                               if part is not None}
-        local = step_rule.stack_terms([terms for _, terms in results])
+        # Zero rows for the blocks this rank leaves alone, and for an owner
+        # whose part is empty.
+        rows = [(i, terms) for i, (_, terms) in zip(mine, results)
+                if terms is not None]
+        local = step_rule.stack_terms([terms for _, terms in rows])
         xp = backend.get_array_module(local)
         everyone = xp.zeros((len(blocks), step_rule.N_TERMS),
                             dtype=local.dtype)
-        everyone[mine] = local
+        if rows:
+            everyone[[i for i, _ in rows]] = local
         return everyone
 
     def gather(self, optimizer, terms, samples):
