@@ -46,7 +46,8 @@ class StatisticsHook(chainer.LinkHook):
     """Collects K-FAC statistics of the links it is registered on.
 
     Args:
-        blocks (dict): ``id(link) -> FisherBlock``.
+        blocks (dict): ``link -> FisherBlock`` (links hash by identity,
+            so a deep copy or an unpickled model keys on its own links).
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
         timing (callable): ``timing(stage)``, a context that times a stage
@@ -70,12 +71,12 @@ class StatisticsHook(chainer.LinkHook):
         config = chainer.config
         if not (config.train and config.enable_backprop):
             return
-        block = self.blocks.get(id(args.link))
+        link = args.link
+        block = self.blocks.get(link)
         if block is None:
             return
         x = args.args[0] if args.args else args.kwargs['x']
-        key = id(args.link)
-        self._samples[key] = self._samples.get(key, 0) + len(x)
+        self._samples[link] = self._samples.get(link, 0) + len(x)
         wanted = block.wanted(self.next_step())
         if not wanted:
             return

@@ -29,6 +29,8 @@ Single matrices (BatchNorm blocks, Osawa et al. §5.4): :class:`Diagonal`
 Each form's arrays are stored in snapshots under its :attr:`~Form.keys`;
 :func:`restore` rebuilds a form from the arrays a snapshot holds.
 """
+import functools
+
 from chainerkfac import linalg
 
 
@@ -300,10 +302,14 @@ def _tikhonov(factors, damping, reuse):
     return tikhonov_kind(len(A), len(G), reuse).refreshed(A, G, damping)
 
 
+def _refreshed(kind, factors, damping, reuse):
+    return kind.refreshed(*factors, damping)
+
+
 def _single(kind):
-    def build(factors, damping, reuse):
-        return kind.refreshed(*factors, damping)
-    return build
+    # A partial of a module-level function, not a closure, so that a block
+    # (and the optimizer and model holding it) pickles.
+    return functools.partial(_refreshed, kind)
 
 
 #: Kronecker blocks, by the ``inverse`` option of

