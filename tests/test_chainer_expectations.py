@@ -92,3 +92,26 @@ def test_the_model_alone_pickles_after_setup():
     with chainer.using_config('train', False):
         numpy.testing.assert_array_equal(model(x).array,
                                          optimizer.target(x).array)
+
+
+@pytest.mark.parametrize('given, meant', [
+    ('dampening', 'damping'), ('learning_rate', 'lr'),
+    ('factor_decay', 'cov_ema_decay'), ('inv_update_steps',
+                                        'inverse_interval'),
+    ('kl_clp', 'kl_clip')])
+def test_a_misspelt_option_names_the_one_meant(given, meant):
+    with pytest.raises(TypeError, match=r'unexpected option {}=0\.1: did '
+                       r'you mean {}=\?'.format(given, meant)):
+        chainerkfac.optimizers.KFAC(**{given: 0.1})
+    with pytest.raises(TypeError, match='unexpected option zzz=1 \\(its '
+                       'options: lr, momentum, damping'):
+        chainerkfac.optimizers.KFAC(zzz=1)
+
+
+@pytest.mark.skipif(chainer.backends.cuda.available,
+                    reason='CuPy is installed here')
+def test_pure_nccl_without_cupy_says_what_it_needs():
+    with pytest.raises(RuntimeError, match="'pure_nccl' needs CuPy with "
+                       "NCCL and one GPU per process.*'naive' is the CPU "
+                       "choice"):
+        chainerkfac.create_communicator('pure_nccl')

@@ -4,6 +4,7 @@ CVPR 2019, §3.3).
 
 Nothing here imports MPI or CuPy until a communicator is created.
 """
+import chainer
 import chainermn
 
 from chainerkfac.distributed.assignment import assign_blocks  # NOQA
@@ -66,6 +67,11 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
             import NaiveCommunicator
         comm = NaiveCommunicator(mpi_comm, transport_dtype=transport_dtype)
     elif communicator_name == 'pure_nccl':
+        if not chainer.backends.cuda.available:
+            raise RuntimeError(
+                "communicator 'pure_nccl' needs CuPy with NCCL and one GPU "
+                "per process, and CuPy is not available here; 'naive' is "
+                'the CPU choice (MPI through mpi4py)')
         from chainerkfac.distributed.pure_nccl_communicator \
             import PureNcclCommunicator
         comm = PureNcclCommunicator(
@@ -98,6 +104,12 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
     communicators).
     """
     if isinstance(actual_optimizer, kfac.KFAC):
+        if actual_optimizer.independent_processes:
+            raise ValueError(
+                'create_multi_node_optimizer given a KFAC with '
+                'independent_processes=True: a distributed KFAC shares one '
+                'model and its curvature over the processes; leave '
+                'independent_processes False')
         actual_optimizer.use_stages(HybridParallelStages(
             _kfac_communicator(communicator), max_load_imbalance))
         return actual_optimizer

@@ -158,6 +158,19 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             that scales every update by less than 1e-3 for 100 steps while
             the loss does not fall is a stall: a
             :class:`~chainerkfac.divergence.StallWarning`, either way.
+        independent_processes (bool): ``True`` lets every MPI process of a
+            job train its own model with its own curvature (a
+            hyperparameter sweep, one model per rank). By default K-FAC
+            refuses to run in one of several MPI processes unless made
+            distributed by :func:`chainerkfac.create_multi_node_optimizer`
+            (:func:`~chainerkfac.optimizers.stages.refuse_under_mpi`),
+            since under ``chainermn.create_multi_node_optimizer`` the
+            replicas would drift apart without a word.
+
+    A misspelt option raises ``TypeError`` naming the nearest one
+    (``dampening`` → ``damping``), and the names other K-FAC libraries use
+    (``learning_rate``, ``factor_decay``, ``inv_update_steps``, ...) name
+    this one's.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -172,7 +185,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
-                 step_rule='graft'):
+                 step_rule='graft', independent_processes=False, **unknown):
+        options.reject_unknown(unknown, type(self).__init__)
         super().__init__()
         hp = self.hyperparam
         hp.lr = lr
@@ -208,6 +222,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         self.use_kfac = bool(precondition)
+        self.independent_processes = bool(independent_processes)
         #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
         #: time of its stages to, or ``None`` (no timing).
         self.stage_timer = None

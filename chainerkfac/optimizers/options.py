@@ -1,6 +1,8 @@
 """Checks of :class:`~chainerkfac.optimizers.KFAC`'s options and
 hyperparameters, each raising ``ValueError`` (``TypeError`` for a wrong
 kind of schedule) that names the option and what it must be."""
+import difflib
+import inspect
 import numbers
 
 from chainerkfac import schedules
@@ -20,6 +22,37 @@ HYPERPARAMETER_RULES = {
     'bn_damping_multiplier': (lambda v: v > 0, 'a real number > 0'),
     'kl_clip': (lambda v: v > 0, 'a real number > 0, or None'),
 }
+
+
+#: The names other K-FAC and SGD implementations (kfac-pytorch, kfac-jax,
+#: Chainer's and PyTorch's optimizers) give KFAC's options.
+SYNONYMS = {
+    'learning_rate': 'lr', 'alpha': 'lr', 'mu': 'momentum',
+    'dampening': 'damping', 'l2_reg': 'weight_decay',
+    'factor_decay': 'cov_ema_decay', 'stat_decay': 'cov_ema_decay',
+    'ema_decay': 'cov_ema_decay', 'factor_update_steps': 'factor_interval',
+    'factor_update_freq': 'factor_interval',
+    'inv_update_steps': 'inverse_interval',
+    'inv_update_freq': 'inverse_interval',
+    'accumulation_steps': 'acc_iters', 'clip': 'kl_clip',
+}
+
+
+def reject_unknown(unknown, signature_of):
+    """Raises ``TypeError`` for the first of the keyword arguments
+    ``unknown`` that the function ``signature_of`` does not take, naming
+    the option meant: a synonym's, else the nearest name."""
+    if not unknown:
+        return
+    known = [name for name, p in inspect.signature(
+        signature_of).parameters.items()
+        if p.kind is p.POSITIONAL_OR_KEYWORD and name != 'self']
+    name = sorted(unknown)[0]
+    meant = SYNONYMS.get(name) or next(iter(
+        difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
+    hint = '' if meant is None else ": did you mean {}=?".format(meant)
+    raise TypeError('KFAC got an unexpected option {}={!r}{} (its options: '
+                    '{})'.format(name, unknown[name], hint, ', '.join(known)))
 
 
 def check_hyperparameters(hp, when='construction'):
@@ -97,7 +130,8 @@ def option_values(optimizer):
         kl_clip_batch=optimizer.kl_clip_batch,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
-        precondition=optimizer.use_kfac, step_rule=optimizer.step_rule)
+        precondition=optimizer.use_kfac, step_rule=optimizer.step_rule,
+        independent_processes=optimizer.independent_processes)
     return {name: option_text(value) for name, value in values.items()}
 
 

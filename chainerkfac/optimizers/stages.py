@@ -95,10 +95,12 @@ class LocalStages(Stages):
 
     def prepare(self, optimizer):
         """At the first update, refuses to run in one of several MPI
-        processes (see :func:`refuse_under_mpi`)."""
+        processes (see :func:`refuse_under_mpi`) unless the optimizer was
+        told its processes are independent."""
         if not self._checked_mpi:
             self._checked_mpi = True
-            refuse_under_mpi()
+            if not optimizer.independent_processes:
+                refuse_under_mpi()
 
     def reduce(self, optimizer):
         pending = [block for block in optimizer.blocks
@@ -154,4 +156,6 @@ def refuse_under_mpi():
             'replicas would drift apart. Use '
             'chainerkfac.create_multi_node_optimizer(optimizer, communicator)'
             ' (a chainermn.create_communicator communicator works too) '
-            'instead of chainermn.create_multi_node_optimizer'.format(size))
+            'instead of chainermn.create_multi_node_optimizer; or, if every '
+            'process deliberately trains its own model (a sweep, one model '
+            'per rank), KFAC(..., independent_processes=True)'.format(size))
