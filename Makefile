@@ -20,8 +20,9 @@ PKG_SOURCES := setup.py chainerkfac_numpy_compat.py chainerkfac-numpy-compat.pth
 
 # One environment per NumPy major version: $(1) is the folder, $(2) the NumPy
 # requirement. The dependencies are installed once; the package itself is
-# re-installed (not in editable mode, which would skip the .pth start-up hook
-# that keeps `import chainer` working on NumPy 2) whenever its sources change.
+# re-installed whenever its sources change (a copy, not an editable install:
+# the tests run the sources through PYTHONPATH and the installed copy is
+# what a user of the package gets).
 define venv_rules
 $(1)/.deps: requirements.txt requirements-dev.txt constraints.txt
 	rm -rf $(1)

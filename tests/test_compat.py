@@ -1,8 +1,14 @@
 """The environment the README builds: Chainer imports on NumPy 1.26 and 2.x."""
+import os
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTH = 'chainerkfac-numpy-compat.pth'
 
 
 def run_python(code):
@@ -45,3 +51,41 @@ def test_shims_keep_numpy_names():
     # Names NumPy still has are never replaced.
     assert numpy.sctypes['float'][1] is numpy.float32
     assert numpy.float is float
+
+
+def test_editable_installs_ship_the_start_up_hook(tmp_path):
+    # `pip install -e .` builds a PEP 660 editable wheel, or, without PEP
+    # 517, runs `setup.py develop`: either must leave the hook that makes
+    # `import chainer` work before `import chainerkfac` on NumPy 2. Built
+    # from a copy of the sources, so that no build output lands in the
+    # repository.
+    src = tmp_path / 'src'
+    shutil.copytree(os.path.join(ROOT, 'chainerkfac'), src / 'chainerkfac',
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    for name in ('setup.py', PTH, 'chainerkfac_numpy_compat.py'):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    wheels = tmp_path / 'wheels'
+    build = subprocess.run(
+        [sys.executable, '-c', 'import sys\n'
+         'from setuptools import build_meta\n'
+         'print(build_meta.build_editable(sys.argv[1]))', str(wheels)],
+        cwd=src, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    with zipfile.ZipFile(wheels / build.stdout.split()[-1]) as wheel:
+        assert PTH in wheel.namelist()
+    site = tmp_path / 'site'
+    site.mkdir()
+    develop = subprocess.run(
+        [sys.executable, 'setup.py', '--quiet', 'develop', '--no-deps',
+         '--install-dir', str(site)], cwd=src, capture_output=True,
+        text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert develop.returncode == 0, develop.stderr
+    # An interpreter that reads the develop install's site folder (its
+    # .pth files, the hook's among them) has the hook before any import.
+    result = run_python(
+        'import site, sys\n'
+        'sys.modules.pop("chainerkfac_numpy_compat", None)\n'
+        'site.addsitedir({!r})\n'
+        'assert "chainerkfac_numpy_compat" in sys.modules\n'
+        'import chainer\n'.format(str(site)))
+    assert result.returncode == 0, result.stderr

@@ -35,6 +35,7 @@ import tempfile
 import numpy
 from PIL import Image
 
+import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import image_list
 
 JPEG_QUALITY = 95
