@@ -4,6 +4,7 @@ original, lazily initialised links that are never called, the set-up
 warning of links that fall back to momentum SGD, and errors that name the
 problem."""
 import copy
+import logging
 import pickle
 
 import chainer
@@ -13,6 +14,8 @@ import numpy
 import pytest
 
 import chainerkfac
+
+from tests import mpi_helpers
 
 
 class Net(chainer.Chain):
@@ -115,3 +118,33 @@ def test_pure_nccl_without_cupy_says_what_it_needs():
                        "NCCL and one GPU per process.*'naive' is the CPU "
                        "choice"):
         chainerkfac.create_communicator('pure_nccl')
+
+
+def test_links_that_fall_back_are_named_once_at_setup(caplog):
+    model = Net()
+    model.add_link('emb', L.EmbedID(3, 2))
+    model.add_link('deconv', L.Deconvolution2D(3, 2, 2))
+    with caplog.at_level(logging.WARNING, logger='chainerkfac'):
+        chainerkfac.optimizers.KFAC().setup(model)
+    messages = [r.getMessage() for r in caplog.records
+                if r.name == 'chainerkfac.fallback']
+    assert messages == [
+        'KFAC: 2 link(s) without curvature follow momentum SGD: deconv (no '
+        'Fisher block for Deconvolution2D); emb (no Fisher block for '
+        'EmbedID)'], messages
+    caplog.clear()
+    logging.getLogger('chainerkfac.fallback').setLevel(logging.ERROR)
+    try:
+        chainerkfac.optimizers.KFAC().setup(model)
+    finally:
+        logging.getLogger('chainerkfac.fallback').setLevel(logging.NOTSET)
+    assert not caplog.records
+    chainerkfac.optimizers.KFAC().setup(Net())
+    assert not caplog.records
+
+
+def test_describe_says_which_rank_owns_each_layer():
+    result = mpi_helpers.run_mpi(
+        2, mpi_helpers.script_path('describe_ranks.py'), timeout=120)
+    assert result.returncode == 0, mpi_helpers.describe(result)
+    assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout

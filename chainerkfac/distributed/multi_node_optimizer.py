@@ -185,6 +185,18 @@ class HybridParallelStages(stages.Stages):
 
     # -- stages 4-6 -----------------------------------------------------------
 
+    def placement(self, blocks):
+        """``'rank R'`` per block (with the ranks a split block's
+        preconditioning is shared with); before the first update, which
+        places the blocks once their shapes are known, says so."""
+        if self.assignment is None:
+            return ['rank set at the first update'] * len(blocks)
+        return ['rank {}'.format(owner) if len(ranks) == 1 else
+                'rank {}, preconditioned by ranks {}'.format(
+                    owner, ', '.join(map(str, ranks)))
+                for owner, ranks in zip(self.assignment.owners,
+                                        self.assignment.shards)]
+
     def owned(self, blocks):
         mine = set(self.assignment.blocks_of(self.comm.rank))
         return [b for i, b in enumerate(blocks) if i in mine]

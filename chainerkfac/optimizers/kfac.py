@@ -36,6 +36,10 @@ from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages as stages_module
 
 logger = logging.getLogger(__name__)
+#: The set-up warning naming the links that fall back to momentum SGD;
+#: ``logging.getLogger('chainerkfac.fallback').setLevel(logging.ERROR)``
+#: silences it.
+fallback_logger = logging.getLogger('chainerkfac.fallback')
 
 _default_hyperparam = optimizer.Hyperparameter()
 _default_hyperparam.lr = 0.01
@@ -299,6 +303,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 block.link.delete_hook(self._hook.name)
             block.link.add_hook(self._hook)
         self._stages.setup(self)
+        if self._unsupported and self._stages.rank_and_size()[0] == 0:
+            fallback_logger.warning(
+                'KFAC: %d link(s) without curvature follow momentum SGD: %s',
+                len(self._unsupported), '; '.join(
+                    '{} ({})'.format(name, reason)
+                    for name, reason in self._unsupported))
         logger.info('%s', self.describe())
         return self
 
@@ -316,12 +326,16 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             stages.setup(self)
 
     def describe(self):
-        """A table of which links get K-FAC and which get momentum SGD."""
+        """A table of which links get K-FAC and which get momentum SGD, and,
+        in a distributed run, which rank owns each K-FAC link."""
         self._check_set_up()
         covered = {id(p) for b in self.blocks for p in b.params()}
         sgd = [name for name, p in self.target.namedparams(include_uninit=True)
                if id(p) not in covered]
-        rows = [(b.name, b.describe()) for b in self.blocks]
+        where = self._stages.placement(self.blocks)
+        rows = [(b.name, b.describe() if where is None
+                 else '{}; {}'.format(b.describe(), where[i]))
+                for i, b in enumerate(self.blocks)]
         rows += [(name, 'momentum SGD: {}'.format(reason))
                  for name, reason in self._unsupported]
         width = max([len(r[0]) for r in rows] + [4])

@@ -57,6 +57,12 @@ class Stages(abc.ABC):
         """``(rank, number of processes)`` of this process."""
 
     @abc.abstractmethod
+    def placement(self, blocks):
+        """Where each of ``blocks`` lives, as text, one per block (for
+        :meth:`KFAC.describe <chainerkfac.optimizers.KFAC.describe>`), or
+        ``None`` in one process."""
+
+    @abc.abstractmethod
     def owned(self, blocks):
         """The blocks this process refreshes."""
 
@@ -116,6 +122,9 @@ class LocalStages(Stages):
 
     def rank_and_size(self):
         return 0, 1
+
+    def placement(self, blocks):
+        return None
 
     def owned(self, blocks):
         return blocks
