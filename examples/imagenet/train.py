@@ -17,7 +17,9 @@ configuration's global batch.
 The output folder receives ``config.json`` (the resolved configuration),
 ``log``, ``accuracy.png``, ``loss.png`` and, every epoch and on SIGTERM or
 SIGINT, one
-snapshot per process: ``snapshot_iter_<I>.rank<R>.npz``. ``--resume
+snapshot per process: ``snapshot_iter_<I>.rank<R>.npz``, of which each
+process keeps the latest two (``--keep-snapshots``; the run's last line
+says how much they hold). ``--resume
 OUT/snapshot_iter_<I>`` (or any of its rank files) makes every process load
 its own file; the number of processes must not change (K-FAC refuses such a
 resume, naming both counts). A snapshot holds the
@@ -72,6 +74,9 @@ def parse_args(argv):
                         help='stop after this many updates instead')
     parser.add_argument('--out', default='result', help='output folder')
     parser.add_argument('--resume', help='snapshot to continue from')
+    parser.add_argument('--keep-snapshots', type=int, default=2,
+                        help='per-epoch snapshots kept per process, the '
+                        'latest (default 2; 0 keeps every one)')
     parser.add_argument('--loaderjob', type=int, default=4,
                         help='data-loading processes per process; 0 loads '
                         'in the main process (SerialIterator)')
@@ -228,11 +233,48 @@ def extend_reports(trainer, config):
         'main/accuracy', 'validation/main/accuracy', 'lr', 'momentum',
         'damping', 'elapsed_time']))
     trainer.extend(extensions.ProgressBar(update_interval=10))
+    augmented = augmentations(config)
     trainer.extend(extensions.PlotReport(
         ['main/accuracy', 'validation/main/accuracy'], 'epoch',
-        file_name='accuracy.png'))
+        file_name='accuracy.png', postprocess=labelled(
+            'top-1 accuracy', augmented and 'training accuracy below '
+            'validation: training batches are {}'.format(augmented))))
     trainer.extend(extensions.PlotReport(
-        ['main/loss', 'validation/main/loss'], 'epoch', file_name='loss.png'))
+        ['main/loss', 'validation/main/loss'], 'epoch', file_name='loss.png',
+        postprocess=labelled(
+            'softmax cross-entropy loss', augmented and 'training loss above '
+            'validation: training batches are {}'.format(augmented))))
+
+
+def augmentations(config):
+    """The augmentations that make training batches harder than the
+    validation set, in words (empty if none)."""
+    kinds = (('mixup_alpha', 'mixed up'),
+             ('random_erasing', 'randomly erased'))
+    names = [name for key, name in kinds if config[key] is not None]
+    return ' and '.join(names)
+
+
+def labelled(ylabel, note):
+    """A ``PlotReport`` postprocess that labels the y axis and, if
+    ``note``, says under the plot why the curves sit where they do."""
+    def postprocess(figure, axes, summary):
+        axes.set_ylabel(ylabel)
+        if note:
+            figure.text(0.01, 0.01, note, fontsize='small')
+    return postprocess
+
+
+def describe_snapshots(out, keep):
+    """What the snapshots in ``out`` hold on disk, and how many are kept."""
+    names = [name for name in os.listdir(out)
+             if name.startswith('snapshot_iter_') and name.endswith('.npz')]
+    size = sum(os.path.getsize(os.path.join(out, name)) for name in names)
+    return ('snapshots: {} file(s), {:.1f} MB in {} (one per process per '
+            'epoch; {}, --keep-snapshots)'.format(
+                len(names), size / 1e6, out,
+                'the latest {} per process kept'.format(keep) if keep
+                else 'every one kept'))
 
 
 def start_loader_server():
@@ -319,7 +361,7 @@ def main(argv=None):
     snapshot = extensions.snapshot(
         target=checkpoint,
         filename='snapshot_iter_{{.updater.iteration}}.rank{}.npz'.format(
-            comm.rank))
+            comm.rank), n_retains=args.keep_snapshots or -1)
     trainer.extend(snapshot, trigger=signals.snapshot_trigger((1, 'epoch')))
     if comm.rank == 0:
         extend_reports(trainer, config)
@@ -337,6 +379,7 @@ def main(argv=None):
               .format('stopped by a signal' if signals.stopped else 'done',
                       trainer.updater.iteration, trainer.updater.epoch_detail,
                       trainer.elapsed_time, os.path.join(args.out, 'log')))
+        print(describe_snapshots(args.out, args.keep_snapshots))
     if signals.stopped and comm.rank == 0:
         print('resume with --resume {}'.format(
             os.path.join(args.out, 'snapshot_iter_{}'.format(

@@ -26,6 +26,24 @@ def test_rank_snapshot():
             'out/snapshot_iter_8.rank3.npz'
 
 
+def test_plots_label_their_axes_and_say_why_training_loss_is_higher():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    config = run_config.load(SMALL)
+    assert train.augmentations(config) == 'mixed up and randomly erased'
+    figure, axes = plt.subplots()
+    train.labelled('softmax cross-entropy loss', 'training loss above '
+                   'validation: training batches are mixed up')(
+        figure, axes, {})
+    assert axes.get_ylabel() == 'softmax cross-entropy loss'
+    assert [t.get_text() for t in figure.texts] == [
+        'training loss above validation: training batches are mixed up']
+    plt.close(figure)
+    config.update(mixup_alpha=None, random_erasing=None)
+    assert train.augmentations(config) == ''
+
+
 def test_config_overrides():
     args = train.parse_args(['t.txt', 'v.txt', '--config', 'c.json',
                              '--acc-iters', '4', '--epochs', '2'])
@@ -78,8 +96,19 @@ def test_train_and_resume(digits, subset, tmp_path, run_script):
     # the mixup on every rank: a second run repeats the first.
     again = tmp_path / 'again'
     result = run_script(command(digits, subset, again, '--epochs', '2',
-                                '--loaderjob', '0'), timeout=300)
+                                '--loaderjob', '0', '--keep-snapshots', '1'),
+                        timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    # Only the latest snapshot of each process stays, and the run says
+    # what they hold.
+    assert sorted(name for name in os.listdir(str(again))
+                  if name.startswith('snapshot')) == [
+        'snapshot_iter_8.rank0.npz', 'snapshot_iter_8.rank1.npz']
+    size = sum(os.path.getsize(str(again / name)) for name in (
+        'snapshot_iter_8.rank0.npz', 'snapshot_iter_8.rank1.npz')) / 1e6
+    assert 'snapshots: 2 file(s), {:.1f} MB in {} (one per process per ' \
+        'epoch; the latest 1 per process kept, --keep-snapshots)'.format(
+            size, again) in result.stdout, result.stdout
     timing = ('elapsed_time',)
     assert [{k: v for k, v in e.items() if k not in timing}
             for e in read_log(again)] == \
