@@ -17,10 +17,13 @@ from chainerkfac.divergence import DivergenceWarning  # NOQA
 from chainerkfac.divergence import StallWarning  # NOQA
 from chainerkfac.distributed import create_communicator  # NOQA
 from chainerkfac.distributed import create_multi_node_optimizer  # NOQA
+from chainerkfac.optimizers.snapshot import files as snapshot_files  # NOQA
+from chainerkfac.optimizers.snapshot import load as load_snapshot  # NOQA
 
 __version__ = '0.1.0'
 
 __all__ = ['curvature', 'divergence', 'optimizers', 'schedules',
            'step_rule', 'NonFiniteError', 'DivergenceError',
            'DivergenceWarning', 'StallWarning',
-           'create_communicator', 'create_multi_node_optimizer']
+           'create_communicator', 'create_multi_node_optimizer',
+           'snapshot_files', 'load_snapshot']

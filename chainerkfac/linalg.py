@@ -290,6 +290,20 @@ def _cholesky_solve(L, B):
     return _solve_lower(L, _solve_lower(L, B), trans='T')
 
 
+def inverse_of_cholesky(L):
+    """``(L Lᵀ)⁻¹``: the inverse of a damped factor from its Cholesky
+    factor (an inverse form changing kind, :meth:`Split.adopt
+    <chainerkfac.distributed.split.Split.adopt>`)."""
+    xp = backend.get_array_module(L)
+    return _cholesky_solve(L, xp.eye(len(L), dtype=L.dtype))
+
+
+def cholesky_of_inverse(M_inv):
+    """The lower Cholesky factor of ``M`` from ``M⁻¹`` (the same change of
+    kind, the other way)."""
+    return _cholesky(_cholesky_inverse(M_inv))
+
+
 def cholesky_precondition(grad, L_A, L_G):
     """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` from the Cholesky factors ``A_d = L_A L_Aᵀ``,
     ``G_d = L_G L_Gᵀ``: ``A_d⁻¹ ∇W̄ᵀ``, transposed, then ``G_d⁻¹ (·)``."""

@@ -57,13 +57,17 @@ def main():
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--distributed', action='store_true')
     parser.add_argument('--mlp', action='store_true')
+    parser.add_argument('--double', action='store_true',
+                        help='a float64 model and data')
     # The fixtures of older snapshots were written by the natural step
     # under the guard's bound of 1e-4, the defaults of their time.
     parser.add_argument('--step-rule', default='graft')
     parser.add_argument('--kl-clip', type=float, default=None)
     args = parser.parse_args()
     numpy.random.seed(0)  # SplitMLP's default initializers draw from it
-    model = split_model.SplitMLP(36) if args.mlp else CNN()
+    dtype = numpy.float64 if args.double else numpy.float32
+    with chainer.using_config('dtype', dtype):
+        model = split_model.SplitMLP(36) if args.mlp else CNN()
     optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
@@ -73,16 +77,23 @@ def main():
             optimizer, comm, max_load_imbalance=1.0 if args.mlp else 1.1)
     optimizer.setup(model)
     if args.resume:
-        load_suffix = suffix if args.resume_rank is None else \
-            '.rank{}'.format(args.resume_rank)
-        state = numpy.load(args.resume + load_suffix + '.npz')
-        chainer.serializers.NpzDeserializer(state, path='model/').load(model)
-        chainer.serializers.NpzDeserializer(
-            state, path='optimizer/').load(optimizer)
+        # Its own file, or, on another number of processes, those
+        # chainerkfac.snapshot_files gives it: the first whole, the others
+        # into the optimizer only.
+        paths = chainerkfac.snapshot_files(args.resume, rank, size) \
+            if args.resume_rank is None else \
+            ['{}.rank{}.npz'.format(args.resume, args.resume_rank)]
+        for i, path in enumerate(paths):
+            state = numpy.load(path)
+            if i == 0:
+                chainer.serializers.NpzDeserializer(
+                    state, path='model/').load(model)
+            chainer.serializers.NpzDeserializer(
+                state, path='optimizer/').load(optimizer)
         assert optimizer.t == args.start, optimizer.t
     for step in range(args.start, args.stop):
         rng = numpy.random.RandomState(100 + step)
-        x = rng.randn(6, 1, 6, 6).astype(numpy.float32)
+        x = rng.randn(6, 1, 6, 6).astype(dtype)
         t = rng.randint(0, 3, 6)
         b = 6 // size
         optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import sys
 
 import chainerkfac
@@ -387,15 +388,22 @@ def test_distributed_example_and_resume(tmp_path):
     for rank in (0, 1):
         assert os.path.exists(os.path.join(
             out, 'snapshot_epoch_1.rank{}'.format(rank)))
-    mpi_helpers.run_mpi(
-        2, MPI_EXAMPLE, ['--epochs', '2', '--out', out, '--resume',
-                         os.path.join(out, 'snapshot_epoch_1')],
-        timeout=120, check=True)
-    with open(os.path.join(out, 'log')) as f:
-        log = json.load(f)
-    assert [entry['epoch'] for entry in log] == [1, 2]
-    assert log[-1]['validation/main/accuracy'] > 0.6
-    assert os.path.exists(os.path.join(out, 'snapshot_epoch_2.rank1'))
+    # docs/guide/checkpointing.md: the same snapshot resumed on 3
+    # processes (in a copy), then on as many.
+    resized = str(tmp_path / 'digits_mpi_3')
+    shutil.copytree(out, resized)
+    runs = [(3, resized), (2, out)]
+    for n, folder in runs:
+        mpi_helpers.run_mpi(
+            n, MPI_EXAMPLE, ['--epochs', '2', '--out', folder, '--resume',
+                             os.path.join(folder, 'snapshot_epoch_1')],
+            timeout=120, check=True)
+        with open(os.path.join(folder, 'log')) as f:
+            log = json.load(f)
+        assert [entry['epoch'] for entry in log] == [1, 2]
+        assert log[-1]['validation/main/accuracy'] > 0.6
+        assert os.path.exists(os.path.join(
+            folder, 'snapshot_epoch_2.rank{}'.format(n - 1)))
 
 
 def test_failure_modes_name_tests_that_exist():

@@ -1,4 +1,5 @@
 """A snapshot resumes exactly: k steps, save, fresh process, k more steps."""
+import glob
 import os
 import subprocess
 import sys
@@ -161,17 +162,102 @@ def failing_run(args, n=None):
     return result.stderr
 
 
-def test_resume_on_another_process_count_or_file_is_refused(tmp_path):
+def run_on(tmp_path, n, name, start, stop, resume=None, extra=()):
+    """resume_run.py on ``n`` processes: one plain KFAC process for 1,
+    else a distributed run under mpiexec."""
+    if n == 1:
+        return run(tmp_path, name, start, stop, 'cholesky', resume, extra)
+    return run_distributed(tmp_path, name, start, stop, resume, n, extra)
+
+
+def merged(out):
+    """The run's model and momentum (rank 0's file) and, from whichever
+    file holds it, every block's factors and refresh schedules."""
+    paths = sorted(glob.glob(out + '*.npz'))
+    values = {}
+    for path in paths:
+        state = numpy.load(path)
+        for key in state.files:
+            name = key.rsplit('/', 1)[-1]
+            if '/kfac/' not in key:
+                values.setdefault(key, state[key])
+            elif name in ('A', 'G', 'F') and \
+                    state[key + '@present'] == 1:
+                values[key] = state[key]
+    return values
+
+
+@pytest.mark.parametrize('saved,resumed', [(2, 1), (2, 3), (1, 2)])
+def test_resume_on_another_process_count_equals_uninterrupted_run(
+        tmp_path, saved, resumed):
+    # Every file of the snapshot is loaded by one of the new processes;
+    # the first update moves each layer's curvature to its new owner. The
+    # MLP has no BatchNorm (whose batch statistics depend on the
+    # per-process batch), so that runs on any number of processes agree;
+    # on 2 and 3 processes its blocks are split.
+    k, extra = 5, ['--double', '--mlp']
+    straight = run_on(tmp_path, resumed, 'straight', 0, 2 * k, extra=extra)
+    half = run_on(tmp_path, saved, 'half', 0, k, extra=extra)
+    out = run_on(tmp_path, resumed, 'resumed', k, 2 * k, resume=half,
+                 extra=extra)
+    expected, got = merged(straight), merged(out)
+    assert expected.keys() == got.keys()
+    factors = [key for key in got if key.endswith(('/A', '/G', '/F'))
+               and '/kfac/' in key]
+    assert len(factors) == 6, factors
+    for key, value in expected.items():
+        if value.dtype.kind in 'US':  # the K-FAC header's text
+            continue
+        numpy.testing.assert_allclose(
+            got[key], value, rtol=1e-5,
+            atol=1e-5 * max(numpy.abs(value).max(), 1e-30), err_msg=key)
+
+
+def test_incomplete_or_mixed_snapshot_files_are_refused(tmp_path):
     half = run_distributed(tmp_path, 'half', 0, 5)
-    # One process from the -n 2 snapshot of rank 0.
+    # One process given only rank 0's file of a 2-process snapshot.
     stderr = failing_run(['5', '10', str(tmp_path / 'one'), '--resume',
-                          half + '.rank0'])
-    assert ('snapshot written by rank 0 of 2 process(es), loaded by rank 0 '
-            'of 1') in stderr, stderr
-    # Every rank loading rank 0's file.
+                          half, '--resume-rank', '0'])
+    assert ('snapshot written by 2 processes resumed on another number, '
+            'but no process loaded the file(s) of rank(s) 1') in stderr, \
+        stderr
+    # On as many processes, every rank loading rank 0's file.
     stderr = failing_run(['5', '10', str(tmp_path / 'same'), '--distributed',
                           '--resume', half, '--resume-rank', '0'], n=2)
     assert 'loaded by rank 1 of 2' in stderr, stderr
+    # A file missing.
+    os.remove(half + '.rank1.npz')
+    with pytest.raises(ValueError, match='lacks the files of rank'):
+        chainerkfac.snapshot_files(half + '.rank0.npz', 0, 1)
+    # A split snapshot written before snapshots named the layers each
+    # process holds.
+    stderr = failing_run(['5', '10', str(tmp_path / 'old'), '--distributed',
+                          '--mlp', '--resume',
+                          os.path.join(HERE, 'fixtures', 'snapshot_split')]
+                         + FIXTURE_OPTIONS, n=2)
+    assert ('snapshot written by 3 process(es) before snapshots named the '
+            'layers each holds: resume it on 3 process(es)') in stderr, \
+        stderr
+
+
+@pytest.mark.parametrize('saved,size', [(2, 1), (2, 3), (1, 2), (5, 2),
+                                        (3, 3)])
+def test_snapshot_files_cover_every_file_once(tmp_path, saved, size):
+    stem = str(tmp_path / 'snapshot_iter_8')
+    names = ['{}.npz'.format(stem)] if saved == 1 else [
+        '{}.rank{}.npz'.format(stem, r) for r in range(saved)]
+    for name in names:
+        numpy.savez(name, **{'optimizer/kfac/header/world_size': saved})
+    given = [chainerkfac.snapshot_files(names[-1], rank, size)
+             for rank in range(size)]
+    if saved == size:
+        assert given == [[name] for name in names]
+    # Each file is loaded by exactly one process as a file of its own; a
+    # process without one loads a file for the state all processes share.
+    own = [files for rank, files in enumerate(given)
+           if rank < saved or saved == size]
+    assert sorted(name for files in own for name in files) == names
+    assert all(len(files) >= 1 for files in given)
 
 
 class MLP(chainer.Chain):

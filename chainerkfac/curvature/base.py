@@ -300,6 +300,19 @@ class FisherBlock:
         """Whether an inverse exists, i.e. the block can precondition."""
         return self.form is not None
 
+    def holds_curvature(self):
+        """Whether this process holds any of the block's curvature (a
+        factor or an inverse): in a distributed run, its owner."""
+        return self.form is not None or any(
+            self.factor[f] is not None for f in self.factors)
+
+    def clear_curvature(self):
+        """Drops the factors and the inverse, as a process that does not
+        own the block holds none (after they moved to their owner)."""
+        self.factor = dict.fromkeys(self.factors)
+        self._sum = dict.fromkeys(self.factors)
+        self.form = None
+
     def precondition(self, weight_decay=0.0, curvature_damping=None):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
         and returns the block's sums for the step rule
@@ -370,12 +383,19 @@ class FisherBlock:
         serializer(key, value)
         return value
 
+    def serialize_schedules(self, serializer):
+        """Saves or loads the factors' refresh schedules alone: what every
+        process of a distributed run keeps of every block (it follows the
+        owner's refreshes), the factors and inverse aside."""
+        for f in self.factors:
+            self.schedules[f].serialize(serializer['schedule_' + f])
+
     def serialize(self, serializer):
         """Saves or loads the factors, inverses and refresh state."""
         for f in self.factors:
             self.factor[f] = self._serialize_array(
                 serializer, f, self.factor[f])
-            self.schedules[f].serialize(serializer['schedule_' + f])
+        self.serialize_schedules(serializer)
         self.inverse_schedule.serialize(serializer['schedule_inverse'])
         arrays = {} if self.form is None else self.form.arrays
         loaded = {}

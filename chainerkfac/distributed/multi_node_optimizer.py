@@ -37,6 +37,7 @@ from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import buffers
 from chainerkfac.distributed import consistency
 from chainerkfac.distributed import split as split_module
+from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,49 @@ class HybridParallelStages(stages.Stages):
                 'distributed K-FAC does not gather before preconditioning; '
                 'use per-parameter hooks such as WeightDecay or '
                 'Lasso'.format(hooks[0]))
+
+    # -- resuming on another number of processes ---------------------------
+
+    def redistribute(self, optimizer, resize):
+        """Every block's curvature, loaded by whichever process read the
+        file of its old owner, moves to its owner in this run's placement
+        (one object message per moved block, in block order on every
+        rank); the processes that loaded it and do not own it drop it, and
+        the owner of a block this placement splits holds its inverse in
+        the kind the split needs (:meth:`Split.adopt
+        <chainerkfac.distributed.split.Split.adopt>`). Checks first that
+        the processes together loaded every file."""
+        if self.assignment is None:
+            self._assign(optimizer)
+        blocks = optimizer.blocks
+        mine = [i for i, block in enumerate(blocks)
+                if block.name in resize.held and block.holds_curvature()]
+        everyone = self.comm.bcast_obj(self.comm.gather_obj(
+            (sorted(resize.loaded), mine)))
+        resize.check_complete({r for loaded, _ in everyone for r in loaded})
+        holders = {}
+        for rank, (_, held) in enumerate(everyone):
+            for i in held:
+                holders.setdefault(i, rank)
+        rank = self.comm.rank
+        for i, holder in sorted(holders.items()):
+            owner = self.assignment.owners[i]
+            if holder == owner:
+                continue
+            if rank == holder:
+                self.comm.send_obj(snapshot.block_state(blocks[i]), owner)
+            elif rank == owner:
+                snapshot.load_block_state(blocks[i],
+                                          self.comm.recv_obj(holder))
+        for i in mine:
+            if self.assignment.owners[i] != rank:
+                blocks[i].clear_curvature()
+        for i, split in self.split.splits.items():
+            if self.assignment.owners[i] == rank and blocks[i].ready():
+                blocks[i].form = split.adopt(blocks[i].form)
+        logger.info('rank %d: K-FAC curvature of a snapshot of %d '
+                    'process(es) redistributed to %d', rank,
+                    resize.saved_size, self.comm.size)
 
     # -- stage 3 ------------------------------------------------------------
 

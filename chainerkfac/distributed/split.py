@@ -123,11 +123,30 @@ class Split:
         factor travels as its triangle, half the bytes)."""
         return self.cholesky == 'A', self.cholesky == 'G'
 
-    def form_of(self, A_side, G_side):
+    def form_of(self, A_side, G_side, damping=None):
         """The part's form from its arrays."""
         if self.explicit:
-            return forms.KroneckerInverses.from_sides(A_side, G_side)
-        return forms.KroneckerMixed.from_sides(A_side, G_side, self.cholesky)
+            return forms.KroneckerInverses.from_sides(A_side, G_side,
+                                                      damping)
+        return forms.KroneckerMixed.from_sides(A_side, G_side, self.cholesky,
+                                               damping)
+
+    def adopt(self, form):
+        """The whole block's ``form``, built by another placement (a
+        snapshot of another number of processes, or of one), as the kind
+        :meth:`build` makes: each side's inverse or Cholesky factor, the
+        one computed from the other where the kinds differ (the same
+        damped inverse, to round-off)."""
+        sides = []
+        for f in 'AG':
+            want = '_chol' if f == self.cholesky else '_inv'
+            have = form.arrays.get(f + want)
+            if have is None and want == '_inv':
+                have = linalg.inverse_of_cholesky(form.arrays[f + '_chol'])
+            elif have is None:
+                have = linalg.cholesky_of_inverse(form.arrays[f + '_inv'])
+            sides.append(have)
+        return self.form_of(*sides, damping=form.damping)
 
     def factor_ranks(self):
         """The ranks that factor the larger factor together: the owner,

@@ -233,6 +233,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.blocks = []
         self._hook = None
         self._stages = stages_module.LocalStages()
+        #: Files of a snapshot of another number of processes, loaded
+        #: since the last update (:class:`snapshot.Resize`), or ``None``.
+        self._resize = None
 
     lr = optimizer.HyperparameterProxy('lr')
     momentum = optimizer.HyperparameterProxy('momentum')
@@ -410,6 +413,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                     if param.grad is not None:
                         param.grad /= self.acc_iters
         self.reallocate_cleared_grads()
+        if self._resize is not None:
+            # After the forward pass: lazily initialised layers have their
+            # shapes, which the placement of the blocks needs.
+            self._stages.redistribute(self, self._resize)
+            self._resize = None
         stats = self._stages.reduce(self)
         self.check_nan_in_grads()
         self.call_hooks('pre')
@@ -518,30 +526,43 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         """Saves or loads momentum, step counters and all K-FAC state.
 
         The K-FAC state starts with a header: the process's rank and the
-        number of processes, the inverse form, the BatchNorm Fisher and
-        every K-FAC layer with its factor shapes. Loading checks them
-        against this run and raises ``ValueError`` naming what differs:
-        each process keeps the curvature of the layers it owns, so a
-        snapshot resumes only on as many processes, each loading its own
-        file. Loaded factors and inverses must be finite. A snapshot
-        without K-FAC state (written by MomentumSGD) loads the momentum and
-        step count; the curvature then starts afresh.
+        number of processes, the inverse form, the BatchNorm Fisher, every
+        K-FAC layer with its factor shapes, and the layers whose curvature
+        this process holds. Loading checks it against this run and raises
+        ``ValueError`` naming what differs. Each process keeps the
+        curvature of the layers it owns: on as many processes, each loads
+        its own file; on another number, each loads the files
+        :func:`chainerkfac.snapshot_files` gives it, and the first update
+        moves every layer's curvature to its new owner
+        (:mod:`chainerkfac.optimizers.snapshot`). Loaded factors and
+        inverses must be finite. A snapshot without K-FAC state (written
+        by MomentumSGD) loads the momentum and step count; the curvature
+        then starts afresh.
         """
         state = serializer['kfac']
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         rank, size = self._stages.rank_and_size()
         mine = snapshot.header(rank, size, self.inverse, self.bn_fisher,
                                self.blocks)
-        fresh = loading and not snapshot.check_header(state, mine,
-                                                      self.blocks)
+        found = loading and snapshot.check_header(state, mine, self.blocks)
         if not loading:
             for key, value in mine.items():
                 state['header'](key, value)
+            state['header']('held', snapshot.held(self.blocks))
         super().serialize(serializer)
-        if fresh:
+        if loading and not found:
             logger.warning('the snapshot holds no K-FAC state (another '
                            "optimizer's?): momentum and step count loaded, "
                            'the curvature starts afresh')
             return
+        names = {block.name for block in self.blocks}
+        if isinstance(found, tuple):
+            saved_rank, saved_size, names = found
+            if self._resize is None:
+                self._resize = snapshot.Resize(saved_size)
+            self._resize.add(saved_rank, saved_size, names)
         for block in self.blocks:
-            block.serialize(state[block.name])
+            if block.name in names:
+                block.serialize(state[block.name])
+            else:
+                block.serialize_schedules(state[block.name])

@@ -1,11 +1,25 @@
-"""The header of a snapshot's K-FAC state, and the checks of it.
+"""The K-FAC part of a snapshot: its header, the checks of it, and resuming
+on another number of processes.
 
-Each process keeps the curvature of the layers it owns, so a snapshot
-resumes only on as many processes, each loading its own file, with the
-same inverse form, BatchNorm Fisher and K-FAC layers. The header says so,
-and loading names what differs (``ValueError``).
+Each process keeps the curvature of the layers it owns, so each writes its
+own file, whose header names the process (rank and number of processes),
+the inverse form, the BatchNorm Fisher, every K-FAC layer with its factor
+shapes, and the layers whose curvature the file holds. Loading checks the
+header and names what differs (``ValueError``).
+
+On as many processes, each loads its own file. On another number (a job
+resized between allocations, or one process), each process loads the files
+:func:`files` gives it: together they hold every layer's curvature once;
+the first update then moves each layer's factors, inverse and schedules to
+its owner in the new placement (:class:`Resize`).
 """
+import glob
 import itertools
+import os
+import re
+
+import numpy
+from chainer import serializers
 
 
 def header(rank, size, inverse, bn_fisher, blocks):
@@ -16,10 +30,54 @@ def header(rank, size, inverse, bn_fisher, blocks):
                                 for b in blocks)}
 
 
+def held(blocks):
+    """The header entry naming the layers whose curvature a file holds."""
+    return '; '.join(b.name for b in blocks if b.holds_curvature())
+
+
+class Resize:
+    """Snapshot files of ``saved_size`` processes loaded on another number:
+    which files (their ranks) this process loaded, and the layers whose
+    curvature it took from them (:attr:`held`), until the first update
+    redistributes them (:meth:`Stages.redistribute
+    <chainerkfac.optimizers.stages.Stages.redistribute>`)."""
+
+    def __init__(self, saved_size):
+        self.saved_size = saved_size
+        self.loaded = set()
+        self.held = set()
+
+    def add(self, saved_rank, saved_size, names):
+        if saved_size != self.saved_size:
+            raise ValueError(
+                'snapshot files of {} and of {} processes loaded into one '
+                'optimizer: load the files of one snapshot'.format(
+                    self.saved_size, saved_size))
+        self.loaded.add(saved_rank)
+        self.held.update(names)
+
+    def check_complete(self, loaded):
+        """Raises ``ValueError`` unless the ranks in ``loaded`` (the files
+        every process loaded) cover the snapshot's processes."""
+        missing = sorted(set(range(self.saved_size)) - set(loaded))
+        if missing:
+            raise ValueError(
+                'snapshot written by {} processes resumed on another number,'
+                ' but no process loaded the file(s) of rank(s) {}, which '
+                'hold the curvature of the layers those ranks owned: load '
+                'the files chainerkfac.snapshot_files() gives each '
+                'process'.format(self.saved_size,
+                                 ', '.join(map(str, missing))))
+
+
 def check_header(state, mine, blocks):
     """Checks a snapshot's header (in ``state``) against this run's
-    (``mine``, from :func:`header`); False when the snapshot has no K-FAC
-    state at all."""
+    (``mine``, from :func:`header`).
+
+    Returns False when the snapshot has no K-FAC state at all, True when it
+    was written by this process of as many, and ``(rank, size, names of
+    the layers it holds)`` when written by another number of processes.
+    """
     try:
         saved = {key: state['header'](key, value)
                  for key, value in mine.items()}
@@ -28,15 +86,27 @@ def check_header(state, mine, blocks):
         # blocks load as they are) or one without K-FAC state.
         return not blocks or blocks[0].in_snapshot(
             state[blocks[0].name])
-    if (saved['world_size'], saved['rank']) != (
-            mine['world_size'], mine['rank']):
+    _check_layers(saved, mine, blocks)
+    saved_rank, saved_size = int(saved['rank']), int(saved['world_size'])
+    if saved_size == mine['world_size']:
+        if saved_rank != mine['rank']:
+            raise ValueError(
+                'snapshot written by rank {} of {} process(es), loaded by '
+                'rank {} of {}: on as many processes each loads its own '
+                'file (.rank<R>)'.format(saved_rank, saved_size,
+                                         mine['rank'], mine['world_size']))
+        return True
+    try:
+        names = str(state['header']('held', ''))
+    except KeyError:
         raise ValueError(
-            'snapshot written by rank {} of {} process(es), loaded by '
-            'rank {} of {}: each process keeps the curvature of the '
-            'layers it owns, so resume on {} process(es), each loading '
-            'its own file (.rank<R>)'.format(
-                saved['rank'], saved['world_size'], mine['rank'],
-                mine['world_size'], saved['world_size']))
+            'snapshot written by {} process(es) before snapshots named the '
+            'layers each holds: resume it on {} process(es)'.format(
+                saved_size, saved_size)) from None
+    return saved_rank, saved_size, set(names.split('; ')) - {''}
+
+
+def _check_layers(saved, mine, blocks):
     for option in ('inverse', 'bn_fisher'):
         if saved[option] != mine[option]:
             raise ValueError(
@@ -56,4 +126,88 @@ def check_header(state, mine, blocks):
                 'first: {!r} in the snapshot, {!r} in this model'.format(
                     entry, block and '{}: {}'.format(
                         block.name, block.describe())))
-    return True
+
+
+def files(stem, rank, size):
+    """The files of the snapshot ``stem`` (``STEM.rank<R>[.npz]``, or
+    ``STEM[.npz]`` from one process; ``stem`` may name any of its files)
+    that process ``rank`` of ``size`` loads, the first whole and the others
+    into its optimizer only.
+
+    On as many processes as wrote it, its own file. On another number, the
+    files of the ranks ``r`` with ``r % size == rank``, so that the
+    processes load every file once; a process left without one (more
+    processes than files) loads file ``rank % saved_size`` for the state
+    every process shares (the model, the momentum), and no curvature of
+    its own. Raises ``ValueError`` naming the stem when files are missing.
+    """
+    stem = re.sub(r'(\.rank\d+)?(\.npz)?$', '', stem)
+    pattern = re.compile(re.escape(stem) + r'\.rank(\d+)(\.npz)?$')
+    found = {}
+    for path in sorted(glob.glob(glob.escape(stem) + '.rank*')):
+        match = pattern.match(path)
+        if match:
+            found.setdefault(int(match.group(1)), path)
+    if not found:
+        single = [path for path in (stem + '.npz', stem)
+                  if os.path.isfile(path)]
+        if not single:
+            raise ValueError('no snapshot files {0}.rank<R>[.npz] or '
+                             '{0}[.npz]'.format(stem))
+        found = {0: single[0]}
+    saved_size = max(_saved_size(found[min(found)]), max(found) + 1)
+    missing = sorted(set(range(saved_size)) - set(found))
+    if missing:
+        raise ValueError('snapshot {} lacks the files of rank(s) {}'.format(
+            stem, ', '.join(map(str, missing))))
+    if saved_size == size:
+        return [found[rank]]
+    mine = [found[r] for r in range(saved_size) if r % size == rank]
+    return mine or [found[rank % saved_size]]
+
+
+def load(stem, target, optimizer, comm, path=''):
+    """Resumes a ``Trainer`` snapshot ``stem`` (of as many processes or of
+    another number) on this process of ``comm``, as
+    ``chainer.serializers.load_npz(file, target)`` would from one file:
+    the first of :func:`files` into ``target`` (the trainer, or an object
+    that serializes it under ``path``, e.g. ``'trainer/'``), the others
+    into ``optimizer``, the trainer's main optimizer. On another number of
+    processes the training iterator's place in its epoch, which belonged
+    to a shard of another size, is left out: each process starts its
+    epoch over its new shard (the epoch count loads). Returns whether the
+    number of processes changed."""
+    paths = files(stem, comm.rank, comm.size)
+    # One process loads every file: their number is the snapshot's.
+    resized = len(files(stem, 0, 1)) != comm.size
+    iterator = path + 'updater/iterator:main/'
+    serializers.load_npz(paths[0], target, ignore_names=[
+        iterator + 'order', iterator + 'current_position'] if resized
+        else None)
+    for other in paths[1:]:
+        serializers.load_npz(other, optimizer,
+                             path=path + 'updater/optimizer:main/')
+    return resized
+
+
+def _saved_size(path):
+    """The number of processes the K-FAC header of the file at ``path``
+    names (0 without one)."""
+    with numpy.load(path) as state:
+        keys = [key for key in state.files
+                if key.endswith('kfac/header/world_size')]
+        return int(state[keys[0]]) if keys else 0
+
+
+def block_state(block):
+    """The state :meth:`FisherBlock.serialize
+    <chainerkfac.curvature.FisherBlock.serialize>` saves, as a dict of
+    NumPy arrays (what travels to a block's new owner)."""
+    state = {}
+    serializers.DictionarySerializer(state).save(block)
+    return state
+
+
+def load_block_state(block, state):
+    """Loads what :func:`block_state` returned into ``block``."""
+    serializers.NpzDeserializer(state).load(block)

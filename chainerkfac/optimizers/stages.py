@@ -41,6 +41,13 @@ class Stages(abc.ABC):
         <chainerkfac.optimizers.KFAC.update>`."""
 
     @abc.abstractmethod
+    def redistribute(self, optimizer, resize):
+        """After loading a snapshot of another number of processes
+        (``resize``, a :class:`~chainerkfac.optimizers.snapshot.Resize`),
+        at the first update: checks that the processes loaded every file
+        and moves each block's curvature to its owner."""
+
+    @abc.abstractmethod
     def reduce(self, optimizer):
         """Gradients and statistics after backward, before the hooks.
 
@@ -107,6 +114,10 @@ class LocalStages(Stages):
             self._checked_mpi = True
             if not optimizer.independent_processes:
                 refuse_under_mpi()
+
+    def redistribute(self, optimizer, resize):
+        """One process holds every block: only the files are checked."""
+        resize.check_complete(resize.loaded)
 
     def reduce(self, optimizer):
         pending = [block for block in optimizer.blocks

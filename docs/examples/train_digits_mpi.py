@@ -11,8 +11,8 @@ is ``batchsize x number of processes``.
 Each process saves its own snapshot every epoch,
 ``OUT/snapshot_epoch_<E>.rank<R>``, because each process keeps the K-FAC
 factors of the layers it owns. ``--resume OUT/snapshot_epoch_<E>`` makes
-every process load its own file; start it with the same number of
-processes.
+every process load its own file, or, started on another number of
+processes, the files ``chainerkfac.load_snapshot`` gives it.
 """
 import argparse
 
@@ -70,8 +70,7 @@ def main():
              'validation/main/accuracy', 'kfac/bytes/reduce_scatter_v',
              'elapsed_time']))
     if args.resume:
-        chainer.serializers.load_npz(
-            '{}.rank{}'.format(args.resume, comm.rank), trainer)
+        chainerkfac.load_snapshot(args.resume, trainer, optimizer, comm)
     trainer.run()
 
 

@@ -21,8 +21,11 @@ snapshot per process: ``snapshot_iter_<I>.rank<R>.npz``, of which each
 process keeps the latest two (``--keep-snapshots``; the run's last line
 says how much they hold). ``--resume
 OUT/snapshot_iter_<I>`` (or any of its rank files) makes every process load
-its own file; the number of processes must not change (K-FAC refuses such a
-resume, naming both counts). A snapshot holds the
+its own file. On another number of processes (a job resized between
+allocations) each process loads the files ``chainerkfac.snapshot_files``
+gives it, K-FAC moves each layer's curvature to its new owner, and the
+training iterators start their epoch over the new shards. A snapshot holds
+the
 model, the optimizer (with the K-FAC state of the blocks the process owns),
 the iterator, the schedules, the logs and the running-mixup state; the random
 streams of the augmentation and of the mixup λ start afresh after a resume.
@@ -30,7 +33,6 @@ streams of the augmentation and of the mixup λ start afresh after a resume.
 import argparse
 import multiprocessing
 import os
-import re
 import signal
 import sys
 
@@ -99,12 +101,6 @@ def config_overrides(args, n_processes):
     if args.iterations is not None:
         overrides['iterations'] = args.iterations
     return overrides
-
-
-def rank_snapshot(path, rank):
-    """The file of ``rank`` for a snapshot given by its stem or any file."""
-    stem = re.sub(r'\.rank\d+\.npz$', '', path)
-    return '{}.rank{}.npz'.format(stem, rank)
 
 
 class Checkpoint:
@@ -366,9 +362,12 @@ def main(argv=None):
     if comm.rank == 0:
         extend_reports(trainer, config)
 
-    if args.resume:
-        chainer.serializers.load_npz(
-            rank_snapshot(args.resume, comm.rank), checkpoint)
+    if args.resume and chainerkfac.load_snapshot(
+            args.resume, checkpoint, optimizer, comm, path='trainer/') \
+            and comm.rank == 0:
+        print('resumed {} on {} processes: each process starts its epoch '
+              'over its new shard of the data'.format(
+                  args.resume, comm.size))
     if comm.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         run_config.save(config, os.path.join(args.out, 'config.json'))

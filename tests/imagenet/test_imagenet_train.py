@@ -19,13 +19,6 @@ TRAIN = train.__file__
 SMALL = os.path.join(os.path.dirname(TRAIN), 'configs', 'small.json')
 
 
-def test_rank_snapshot():
-    for given in ('out/snapshot_iter_8', 'out/snapshot_iter_8.rank0.npz',
-                  'out/snapshot_iter_8.rank12.npz'):
-        assert train.rank_snapshot(given, 3) == \
-            'out/snapshot_iter_8.rank3.npz'
-
-
 def test_plots_label_their_axes_and_say_why_training_loss_is_higher():
     import matplotlib
     matplotlib.use('Agg')
@@ -127,6 +120,21 @@ def test_train_and_resume(digits, subset, tmp_path, run_script):
     assert log2[0] == log[0]  # restored from the snapshot, not re-run
     assert log2[1]['lr'] == log[1]['lr']
     assert (resumed / 'snapshot_iter_12.rank1.npz').exists()
+
+    # The same snapshot on one process (a job resized): K-FAC moves the
+    # curvature of rank 1's layers over, the epoch count carries on.
+    alone = tmp_path / 'alone'
+    shutil.copytree(str(out), str(alone))
+    result = run_script([MPIEXEC, '-n', '1'] + command(
+        digits, subset, alone, '--epochs', '3', '--loaderjob', '0',
+        '--resume', str(alone / 'snapshot_iter_8'))[3:], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'resumed {} on 1 processes'.format(
+        alone / 'snapshot_iter_8') in result.stdout
+    log3 = read_log(alone)
+    assert [e['epoch'] for e in log3] == [1, 2, 3]
+    assert log3[:2] == log[:2]
+    assert 0 <= log3[2]['validation/main/accuracy'] <= 1
 
 
 def test_run_shorter_than_an_epoch_prints_and_logs_every_iteration(
