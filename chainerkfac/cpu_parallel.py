@@ -23,7 +23,6 @@ import concurrent.futures
 
 import numpy
 import threadpoolctl
-from chainer import backend
 
 # Importing SciPy's LAPACK loads its own BLAS, which the controller must see.
 from scipy.linalg import lapack  # NOQA
@@ -61,7 +60,7 @@ def map_blocks(function, blocks, flops):
     """
     if not blocks:
         return []
-    if backend.get_array_module(blocks[0].params()[0].array) is not numpy:
+    if blocks[0].link.xp is not numpy:
         return [function(block) for block in blocks]
     controller = _controller().select(user_api='blas')
     workers = max([lib.num_threads for lib in controller.lib_controllers]

@@ -111,15 +111,6 @@ def test_a_misspelt_option_names_the_one_meant(given, meant):
         chainerkfac.optimizers.KFAC(zzz=1)
 
 
-@pytest.mark.skipif(chainer.backends.cuda.available,
-                    reason='CuPy is installed here')
-def test_pure_nccl_without_cupy_says_what_it_needs():
-    with pytest.raises(RuntimeError, match="'pure_nccl' needs CuPy with "
-                       "NCCL and one GPU per process.*'naive' is the CPU "
-                       "choice"):
-        chainerkfac.create_communicator('pure_nccl')
-
-
 def test_links_that_fall_back_are_named_once_at_setup(caplog):
     model = Net()
     model.add_link('emb', L.EmbedID(3, 2))
@@ -146,5 +137,56 @@ def test_links_that_fall_back_are_named_once_at_setup(caplog):
 def test_describe_says_which_rank_owns_each_layer():
     result = mpi_helpers.run_mpi(
         2, mpi_helpers.script_path('describe_ranks.py'), timeout=120)
+    assert result.returncode == 0, mpi_helpers.describe(result)
+    assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout
+
+
+class WithAuxiliaryHead(Net):
+    """Net with a lazily initialised head that ``forward`` calls only
+    when ``use_aux`` is set (an auxiliary head of a later phase)."""
+
+    def __init__(self):
+        super().__init__()
+        self.use_aux = False
+        with self.init_scope():
+            self.aux = L.Linear(None, 4)
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.use_aux:
+            y = y + self.aux(F.relu(self.bn(self.conv(x))))
+        return y
+
+
+def test_a_lazy_link_never_called_gets_no_curvature_until_it_has_a_shape():
+    data = batches(6)
+    runs = []
+    for model in (Net, WithAuxiliaryHead):
+        # The lazily initialised layers draw from NumPy's global generator
+        # at their first forward pass.
+        numpy.random.seed(0)
+        runs.append(chainerkfac.optimizers.KFAC(lr=0.05))
+        runs[-1].setup(model())
+        train(runs[-1], data[:3])
+    plain, lazy = runs
+    # The unused head changes nothing and costs nothing.
+    params = dict(lazy.target.namedparams())
+    for name, p in plain.target.namedparams():
+        numpy.testing.assert_array_equal(params[name].array, p.array,
+                                         err_msg=name)
+    aux = next(b for b in lazy.blocks if b.name == 'aux')
+    assert not aux.shaped() and not aux.holds_curvature()
+    assert ('aux   K-FAC (A, G), shape set at first forward; no curvature '
+            'until then') in lazy.describe()
+    # Called from now on: it gets its shape, then its curvature.
+    lazy.target.use_aux = True
+    train(lazy, data[3:])
+    assert aux.shaped() and aux.ready()
+    assert 'aux   K-FAC A 76x76, G 4x4' in lazy.describe()
+
+
+def test_a_lazy_link_never_called_in_a_distributed_run():
+    result = mpi_helpers.run_mpi(
+        2, mpi_helpers.script_path('lazy_link.py'), timeout=120)
     assert result.returncode == 0, mpi_helpers.describe(result)
     assert 'rank 0: ok' in result.stdout and 'rank 1: ok' in result.stdout

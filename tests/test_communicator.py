@@ -164,7 +164,9 @@ def test_config_in_chainermn_style():
 
 @pytest.mark.skipif(_gpus() > 0, reason='CuPy and a GPU are present')
 def test_pure_nccl_needs_cupy_only_when_asked_for():
-    with pytest.raises(ImportError):
+    with pytest.raises(ImportError, match="'pure_nccl' needs CuPy with "
+                       "NCCL and one GPU per process.*'naive' is the CPU "
+                       "choice"):
         create_communicator('pure_nccl')
 
 

@@ -46,3 +46,17 @@ def test_explicit_inverse_pays_after_the_break_even_reuse():
     conv = min(r for r in range(1, 200)
                if linalg.explicit_inverse_pays(9 * 512, 512, r))
     assert square == 3 and conv == 22
+
+
+def test_an_inverse_form_changes_kind_to_round_off():
+    # What a split block's owner does with an inverse of another kind
+    # after a resume on another number of processes (Split.adopt).
+    rng = numpy.random.RandomState(0)
+    X = rng.randn(7, 12)
+    M = X @ X.T / 12 + 0.1 * numpy.eye(7)
+    L = numpy.linalg.cholesky(M)
+    numpy.testing.assert_allclose(linalg.inverse_of_cholesky(L),
+                                  numpy.linalg.inv(M), rtol=1e-10)
+    numpy.testing.assert_allclose(
+        linalg.cholesky_of_inverse(numpy.linalg.inv(M)), L, rtol=1e-9,
+        atol=1e-12)

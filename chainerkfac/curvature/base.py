@@ -97,6 +97,13 @@ class FisherBlock:
         """The parameters this block preconditions, in gradient order."""
         raise NotImplementedError
 
+    def shaped(self):
+        """Whether the block's parameters exist: a lazily initialised link
+        (``L.Linear(None, n)``) gets them at its first forward pass, and
+        until then the block holds no curvature, its gradient is empty
+        and it costs nothing."""
+        return all(p.array is not None for p in self.params())
+
     # -- statistics (called by the link hooks) ---------------------------
 
     def wanted(self, step):

@@ -17,6 +17,7 @@ are :mod:`chainerkfac.curvature.forms`'s ``Diagonal``, ``DenseInverse`` and
 ``DenseEigen``.
 """
 from chainer import backend
+import numpy
 
 from chainerkfac import linalg
 from chainerkfac.curvature import base
@@ -90,6 +91,8 @@ class BatchNormalizationBlock(base.FisherBlock):
             self._accumulate('F', Z.T @ Z, n)
 
     def gradient(self, weight_decay=0.0):
+        if not self.shaped():
+            return self.link.xp.zeros(0, dtype=numpy.float32)
         # γ and β are not decayed: their natural value is not zero.
         xp = backend.get_array_module(self.params()[0].grad)
         return xp.concatenate([linalg.widened(p.grad.ravel())
@@ -103,6 +106,8 @@ class BatchNormalizationBlock(base.FisherBlock):
         return xp.vdot(product, grad) + damping * xp.vdot(grad, grad)
 
     def set_gradient(self, grad):
+        if not self.shaped():
+            return
         offset = 0
         for p in self.params():
             p.grad[...] = grad[offset:offset + p.size].reshape(p.shape)
@@ -111,9 +116,13 @@ class BatchNormalizationBlock(base.FisherBlock):
     def cost(self):
         # The cost model counts channels and doubles them for (γ, β).
         return cost.BlockCost(self.name, self.bn_fisher,
-                              (self.params()[0].size,))
+                              (self.params()[0].size if self.shaped()
+                               else 1,))
 
     def describe(self):
+        if not self.shaped():
+            return ('BN {} Fisher, shape set at first forward; no curvature '
+                    'until then'.format(self.bn_fisher))
         size = self.params()[0].size * len(self.params())
         if self.bn_fisher == 'diagonal':
             return 'BN diagonal Fisher ({})'.format(size)

@@ -154,6 +154,8 @@ class KroneckerBlock(base.FisherBlock):
 
     def gradient(self, weight_decay=0.0):
         W = self.link.W
+        if W.array is None:
+            return self.link.xp.zeros((0, 0), dtype=numpy.float32)
         grad = linalg.widened(W.grad.reshape(W.shape[0], -1))
         if weight_decay:
             grad = grad + weight_decay * linalg.widened(
@@ -166,6 +168,8 @@ class KroneckerBlock(base.FisherBlock):
 
     def set_gradient(self, grad):
         W = self.link.W
+        if W.array is None:
+            return
         d = W.size // W.shape[0]
         W.grad[...] = grad[:, :d].reshape(W.shape)
         if self.has_bias:
@@ -182,12 +186,15 @@ class KroneckerBlock(base.FisherBlock):
     def splittable(self):
         """Whether the family holds the forms whose rows or columns ranks
         can share (not the eigen form)."""
-        return forms.KroneckerMixed in self.family.kinds
+        return forms.KroneckerMixed in self.family.kinds and self.shaped()
 
     def dims(self):
         """``(d_A, d_G)``: the sizes of the factors (``d_A`` with the bias
-        coordinate)."""
+        coordinate); ``(1, 1)``, the least a cost counts, before a lazily
+        initialised link has a shape."""
         W = self.link.W
+        if W.array is None:
+            return 1, 1
         return W.size // W.shape[0] + int(self.has_bias), W.shape[0]
 
     def cost(self):
@@ -196,6 +203,7 @@ class KroneckerBlock(base.FisherBlock):
     def describe(self):
         W = self.link.W
         if W.array is None:
-            return 'K-FAC (A, G), shape set at first forward'
+            return ('K-FAC (A, G), shape set at first forward; no '
+                    'curvature until then')
         d_in = W.size // W.shape[0] + int(self.has_bias)
         return 'K-FAC A {0}x{0}, G {1}x{1}'.format(d_in, W.shape[0])

@@ -68,7 +68,7 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
         comm = NaiveCommunicator(mpi_comm, transport_dtype=transport_dtype)
     elif communicator_name == 'pure_nccl':
         if not chainer.backends.cuda.available:
-            raise RuntimeError(
+            raise ImportError(
                 "communicator 'pure_nccl' needs CuPy with NCCL and one GPU "
                 "per process, and CuPy is not available here; 'naive' is "
                 'the CPU choice (MPI through mpi4py)')

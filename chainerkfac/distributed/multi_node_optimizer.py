@@ -125,11 +125,14 @@ class HybridParallelStages(stages.Stages):
                 'use per-parameter hooks such as WeightDecay or '
                 'Lasso'.format(hooks[0]))
 
-    # -- resuming on another number of processes ---------------------------
+    # -- resuming -----------------------------------------------------------
 
-    def redistribute(self, optimizer, resize):
+    def redistribute(self, optimizer, resume):
         """Every block's curvature, loaded by whichever process read the
         file of its old owner, moves to its owner in this run's placement
+        (on as many processes, usually where it is already; the placement
+        of a lazily initialised layer that got its shape after the
+        snapshot's placement may differ)
         (one object message per moved block, in block order on every
         rank); the processes that loaded it and do not own it drop it, and
         the owner of a block this placement splits holds its inverse in
@@ -140,10 +143,10 @@ class HybridParallelStages(stages.Stages):
             self._assign(optimizer)
         blocks = optimizer.blocks
         mine = [i for i, block in enumerate(blocks)
-                if block.name in resize.held and block.holds_curvature()]
+                if block.name in resume.held and block.holds_curvature()]
         everyone = self.comm.bcast_obj(self.comm.gather_obj(
-            (sorted(resize.loaded), mine)))
-        resize.check_complete({r for loaded, _ in everyone for r in loaded})
+            (sorted(resume.loaded), mine)))
+        resume.check_complete({r for loaded, _ in everyone for r in loaded})
         holders = {}
         for rank, (_, held) in enumerate(everyone):
             for i in held:
@@ -165,8 +168,8 @@ class HybridParallelStages(stages.Stages):
             if self.assignment.owners[i] == rank and blocks[i].ready():
                 blocks[i].form = split.adopt(blocks[i].form)
         logger.info('rank %d: K-FAC curvature of a snapshot of %d '
-                    'process(es) redistributed to %d', rank,
-                    resize.saved_size, self.comm.size)
+                    'process(es) placed on %d', rank, resume.saved_size,
+                    self.comm.size)
 
     # -- stage 3 ------------------------------------------------------------
 
@@ -351,7 +354,8 @@ class HybridParallelStages(stages.Stages):
             if s == 0:
                 parts.append(numpy.asarray(
                     [block.schedules[f].interval or 0 for f in refreshed[i]]))
-        grad0 = blocks[0].params()[0].grad
+        grad0 = next(p.grad for block in blocks for p in block.params()
+                     if p.grad is not None)
         xp = backend.get_array_module(grad0)
         # The preconditioned gradients and the step's terms of a float16
         # model are float32, as computed (a transport_dtype narrows them).

@@ -243,7 +243,7 @@ class SplitBlocks:
             return
         fresh = {id(block) for block in refreshed}
         rank, owners = self.comm.rank, self.assignment.owners
-        like = blocks[0].params()[0]
+        like = blocks[next(iter(self.splits))].params()[0]
         xp, dtype = backend.get_array_module(like.array), like.dtype
         parts, counts = [], [0] * self.comm.size
         for dest in range(self.comm.size):

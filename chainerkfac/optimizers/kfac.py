@@ -233,9 +233,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.blocks = []
         self._hook = None
         self._stages = stages_module.LocalStages()
-        #: Files of a snapshot of another number of processes, loaded
-        #: since the last update (:class:`snapshot.Resize`), or ``None``.
-        self._resize = None
+        #: The snapshot files loaded since the last update
+        #: (:class:`snapshot.Resume`), or ``None``.
+        self._resume = None
 
     lr = optimizer.HyperparameterProxy('lr')
     momentum = optimizer.HyperparameterProxy('momentum')
@@ -413,11 +413,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                     if param.grad is not None:
                         param.grad /= self.acc_iters
         self.reallocate_cleared_grads()
-        if self._resize is not None:
+        if self._resume is not None:
             # After the forward pass: lazily initialised layers have their
             # shapes, which the placement of the blocks needs.
-            self._stages.redistribute(self, self._resize)
-            self._resize = None
+            self._stages.redistribute(self, self._resume)
+            self._resume = None
         stats = self._stages.reduce(self)
         self.check_nan_in_grads()
         self.call_hooks('pre')
@@ -492,8 +492,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
         # manual loop may pass without loss_scaling()); the decay term must
-        # carry it too, and the guard divides it out.
-        scale = self.blocks[0].gradient_loss_scale() if self.blocks \
+        # carry it too, and the guard divides it out. (A lazily initialised
+        # link not yet called has no gradient to say it.)
+        shaped = [block for block in self.blocks if block.shaped()]
+        scale = shaped[0].gradient_loss_scale() if shaped \
             else self._loss_scale
         with self.timing('precondition'):
             terms = self._stages.precondition(
@@ -507,7 +509,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         for block, factor in zip(self.blocks, rho * nu):
             if factor != 1:
                 for param in block.params():
-                    param.grad *= float(factor)
+                    if param.grad is not None:
+                        param.grad *= float(factor)
         measured = [r for block_rates in rates.values()
                     for r in block_rates.values() if r is not None]
         report = {'kfac/damping': hp.damping,
@@ -557,10 +560,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             return
         names = {block.name for block in self.blocks}
         if isinstance(found, tuple):
-            saved_rank, saved_size, names = found
-            if self._resize is None:
-                self._resize = snapshot.Resize(saved_size)
-            self._resize.add(saved_rank, saved_size, names)
+            saved_rank, saved_size, held = found
+            names = names if held is None else held
+            if self._resume is None:
+                self._resume = snapshot.Resume(saved_size)
+            self._resume.add(saved_rank, saved_size, names)
         for block in self.blocks:
             if block.name in names:
                 block.serialize(state[block.name])

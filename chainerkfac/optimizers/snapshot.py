@@ -11,7 +11,7 @@ On as many processes, each loads its own file. On another number (a job
 resized between allocations, or one process), each process loads the files
 :func:`files` gives it: together they hold every layer's curvature once;
 the first update then moves each layer's factors, inverse and schedules to
-its owner in the new placement (:class:`Resize`).
+its owner in the new placement (:class:`Resume`).
 """
 import glob
 import itertools
@@ -35,12 +35,14 @@ def held(blocks):
     return '; '.join(b.name for b in blocks if b.holds_curvature())
 
 
-class Resize:
-    """Snapshot files of ``saved_size`` processes loaded on another number:
-    which files (their ranks) this process loaded, and the layers whose
-    curvature it took from them (:attr:`held`), until the first update
-    redistributes them (:meth:`Stages.redistribute
-    <chainerkfac.optimizers.stages.Stages.redistribute>`)."""
+class Resume:
+    """Snapshot files of ``saved_size`` processes loaded since the last
+    update: which files (their ranks) this process loaded, and the layers
+    whose curvature it took from them (:attr:`held`), until the first
+    update moves each to its owner in this run's placement
+    (:meth:`Stages.redistribute
+    <chainerkfac.optimizers.stages.Stages.redistribute>`), which on as
+    many processes is usually where it already is."""
 
     def __init__(self, saved_size):
         self.saved_size = saved_size
@@ -75,8 +77,10 @@ def check_header(state, mine, blocks):
     (``mine``, from :func:`header`).
 
     Returns False when the snapshot has no K-FAC state at all, True when it
-    was written by this process of as many, and ``(rank, size, names of
-    the layers it holds)`` when written by another number of processes.
+    has no header (written before headers existed), and ``(rank, size,
+    names)`` of the process that wrote it, ``names`` the layers whose
+    curvature it holds when written by another number of processes (else
+    ``None``: every layer loads, as saved).
     """
     try:
         saved = {key: state['header'](key, value)
@@ -95,7 +99,7 @@ def check_header(state, mine, blocks):
                 'rank {} of {}: on as many processes each loads its own '
                 'file (.rank<R>)'.format(saved_rank, saved_size,
                                          mine['rank'], mine['world_size']))
-        return True
+        return saved_rank, saved_size, None
     try:
         names = str(state['header']('held', ''))
     except KeyError:

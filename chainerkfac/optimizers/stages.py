@@ -41,11 +41,11 @@ class Stages(abc.ABC):
         <chainerkfac.optimizers.KFAC.update>`."""
 
     @abc.abstractmethod
-    def redistribute(self, optimizer, resize):
-        """After loading a snapshot of another number of processes
-        (``resize``, a :class:`~chainerkfac.optimizers.snapshot.Resize`),
-        at the first update: checks that the processes loaded every file
-        and moves each block's curvature to its owner."""
+    def redistribute(self, optimizer, resume):
+        """After loading a snapshot (``resume``, a
+        :class:`~chainerkfac.optimizers.snapshot.Resume`), at the first
+        update: checks that the processes loaded every file and moves each
+        block's curvature to its owner in this run's placement."""
 
     @abc.abstractmethod
     def reduce(self, optimizer):
@@ -115,9 +115,9 @@ class LocalStages(Stages):
             if not optimizer.independent_processes:
                 refuse_under_mpi()
 
-    def redistribute(self, optimizer, resize):
+    def redistribute(self, optimizer, resume):
         """One process holds every block: only the files are checked."""
-        resize.check_complete(resize.loaded)
+        resume.check_complete(resume.loaded)
 
     def reduce(self, optimizer):
         pending = [block for block in optimizer.blocks
