@@ -37,10 +37,10 @@ class CNN(chainer.Chain):
         return self.fc(F.relu(self.bn(self.conv(x))))
 
 
-def make_optimizer(inverse, step_rule, kl_clip):
+def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0):
     return chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
-        step_rule=step_rule, kl_clip=kl_clip,
+        step_rule=step_rule, kl_clip=kl_clip, inverse_delay=inverse_delay,
         factor_interval={'A': schedules.Adaptive(threshold=0.2),
                          'G': lambda t: 1 if t < 4 else 2},
         inverse_interval=3)
@@ -57,6 +57,7 @@ def main():
     parser.add_argument('--inverse', default='cholesky')
     parser.add_argument('--distributed', action='store_true')
     parser.add_argument('--mlp', action='store_true')
+    parser.add_argument('--inverse-delay', type=int, default=0)
     parser.add_argument('--double', action='store_true',
                         help='a float64 model and data')
     # The fixtures of older snapshots were written by the natural step
@@ -68,7 +69,8 @@ def main():
     dtype = numpy.float64 if args.double else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = split_model.SplitMLP(36) if args.mlp else CNN()
-    optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip)
+    optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip,
+                               args.inverse_delay)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')

@@ -55,12 +55,20 @@ def assert_identical(straight, resumed):
     return straight.files
 
 
-@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
-def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse):
+@pytest.mark.parametrize('inverse,extra', [
+    ('cholesky', []), ('eigen', []),
+    # Inverses refreshed at steps 4 and 7 (inverse_interval 3) take effect
+    # 2 steps later: the snapshot after step 5 holds one on its way.
+    ('cholesky', ['--inverse-delay', '2'])])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     k = 5
-    straight = run(tmp_path, 'straight', 0, 2 * k, inverse)
-    half = run(tmp_path, 'half', 0, k, inverse)
-    resumed = run(tmp_path, 'resumed', k, 2 * k, inverse, resume=half)
+    straight = run(tmp_path, 'straight', 0, 2 * k, inverse, extra=extra)
+    half = run(tmp_path, 'half', 0, k, inverse, extra=extra)
+    if extra:
+        assert numpy.load(half + '.npz')['optimizer/kfac/fc/pending_step'] \
+            == 6
+    resumed = run(tmp_path, 'resumed', k, 2 * k, inverse, resume=half,
+                  extra=extra)
     keys = assert_identical(straight + '.npz', resumed + '.npz')
     assert any('kfac/fc/A' in key for key in keys)
 
@@ -187,15 +195,16 @@ def merged(out):
     return values
 
 
-@pytest.mark.parametrize('saved,resumed', [(2, 1), (2, 3), (1, 2)])
+@pytest.mark.parametrize('saved,resumed,delay', [
+    (2, 1, 0), (2, 3, 0), (1, 2, 0), (2, 3, 2)])
 def test_resume_on_another_process_count_equals_uninterrupted_run(
-        tmp_path, saved, resumed):
+        tmp_path, saved, resumed, delay):
     # Every file of the snapshot is loaded by one of the new processes;
     # the first update moves each layer's curvature to its new owner. The
     # MLP has no BatchNorm (whose batch statistics depend on the
     # per-process batch), so that runs on any number of processes agree;
     # on 2 and 3 processes its blocks are split.
-    k, extra = 5, ['--double', '--mlp']
+    k, extra = 5, ['--double', '--mlp', '--inverse-delay', str(delay)]
     straight = run_on(tmp_path, resumed, 'straight', 0, 2 * k, extra=extra)
     half = run_on(tmp_path, saved, 'half', 0, k, extra=extra)
     out = run_on(tmp_path, resumed, 'resumed', k, 2 * k, resume=half,

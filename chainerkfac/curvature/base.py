@@ -14,11 +14,13 @@ Damping is applied only when building the inverse form
 :mod:`chainerkfac.linalg`); the stored statistics never contain it.
 """
 import collections
+import concurrent.futures
 
 import numpy
 from chainer import backend
 from chainer import serializer as serializer_module
 
+from chainerkfac import background
 from chainerkfac import schedules
 from chainerkfac import step_rule
 from chainerkfac.curvature import forms
@@ -67,6 +69,10 @@ class FisherBlock:
         self.inverse_schedule = schedules.RefreshSchedule(
             options.inverse_interval)
         self.factor = dict.fromkeys(self.factors)
+        #: An inverse being built off the critical path
+        #: (:mod:`chainerkfac.background`): ``(step it takes effect, a
+        #: Future or the form)``, or ``None``.
+        self.pending = None
         #: The sums of each factor's statistics, kept from refresh to
         #: refresh (:meth:`statistics_out`).
         self._sum = dict.fromkeys(self.factors)
@@ -239,26 +245,54 @@ class FisherBlock:
 
     def inverse_due(self, step, damping):
         """Whether step ``step`` must recompute the inverse: every factor
-        exists, a factor or the damping changed since the last inverse, and
-        the inverse schedule is due."""
+        exists, a factor or the damping changed since the last inverse, the
+        inverse schedule is due, and no inverse is on its way."""
         used = None if self.form is None else self.form.damping
         return (all(self.factor[f] is not None for f in self.factors)
                 and (self._factors_changed or damping != used)
-                and self.inverse_schedule.due(step))
+                and self.inverse_schedule.due(step)
+                and self.pending is None)
 
-    def update_inverse(self, step, damping):
+    def update_inverse(self, step, damping, delay=0):
         """Recomputes the damped inverse if :meth:`inverse_due`.
 
-        Returns whether it was recomputed.
+        With ``delay`` d > 0 and an inverse already in place, the new one
+        is built in the background from the factors as they are now and
+        takes effect at step ``step + d`` (:meth:`take_pending`;
+        :mod:`chainerkfac.background`). Returns whether a new inverse took
+        effect now.
         """
         if not self.inverse_due(step, damping):
             return False
-        self.form = self.family.build(
-            tuple(self.factor[f] for f in self.factors), damping,
-            self.inverse_reuse(step))
+        factors = tuple(self.factor[f] for f in self.factors)
+        if delay and self.form is not None:
+            self.pending = step + delay, background.submit(
+                self.family.build, factors, damping,
+                self.inverse_reuse(step))
+        else:
+            self.form = self.family.build(factors, damping,
+                                          self.inverse_reuse(step))
         self.inverse_schedule.mark(step)
         self._factors_changed = False
+        return self.pending is None
+
+    def take_pending(self, step):
+        """Puts in place the inverse built in the background once step
+        ``step`` is the one it takes effect at (waiting for it if need
+        be); returns whether it did."""
+        if self.pending is None or step < self.pending[0]:
+            return False
+        self.form = _result(self.pending[1])
+        self.pending = None
         return True
+
+    def __getstate__(self):
+        # A pickle or a deep copy holds the pending inverse itself, not the
+        # worker's Future.
+        state = dict(self.__dict__)
+        if self.pending is not None:
+            state['pending'] = self.pending[0], _result(self.pending[1])
+        return state
 
     def effective_damping(self, hyperparam):
         """The damping this block's inverse is built with (the family's
@@ -319,6 +353,7 @@ class FisherBlock:
         self.factor = dict.fromkeys(self.factors)
         self._sum = dict.fromkeys(self.factors)
         self.form = None
+        self.pending = None
 
     def precondition(self, weight_decay=0.0, curvature_damping=None):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
@@ -404,21 +439,57 @@ class FisherBlock:
                 serializer, f, self.factor[f])
         self.serialize_schedules(serializer)
         self.inverse_schedule.serialize(serializer['schedule_inverse'])
-        arrays = {} if self.form is None else self.form.arrays
+        self._factors_changed = bool(
+            serializer('factors_changed', self._factors_changed))
+        self.form = self._serialize_form(serializer, 'inverse_', self.form)
+        self._serialize_pending(serializer)
+
+    def _serialize_form(self, serializer, prefix, form):
+        """Saves ``form`` under keys starting with ``prefix`` (its arrays
+        and damping), or returns the form loaded from them."""
+        arrays = {} if form is None else form.arrays
         loaded = {}
         for key in forms.snapshot_keys(self.family.kinds):
-            value = self._serialize_array(serializer, 'inverse_' + key,
+            value = self._serialize_array(serializer, prefix + key,
                                           arrays.get(key))
             if value is not None:
                 loaded[key] = value
-        self._factors_changed = bool(
-            serializer('factors_changed', self._factors_changed))
-        used = serializer('damping_used', -1.0 if self.form is None
-                          else self.form.damping)
-        if isinstance(serializer, serializer_module.Deserializer):
-            self.form = forms.restore(
-                self.family.kinds, loaded,
-                None if float(used) < 0 else float(used))
+        damping_key = 'damping_used' if prefix == 'inverse_' \
+            else prefix + 'damping'
+        used = serializer(damping_key, -1.0 if form is None
+                          else form.damping)
+        if not isinstance(serializer, serializer_module.Deserializer):
+            return form
+        return forms.restore(self.family.kinds, loaded,
+                             None if float(used) < 0 else float(used))
+
+    def _serialize_pending(self, serializer):
+        """The inverse built in the background and the step it takes
+        effect at: a snapshot waits for it and keeps it, so that the
+        resumed run puts it in place at the same step."""
+        loading = isinstance(serializer, serializer_module.Deserializer)
+        if not loading and self.pending is not None:
+            self.pending = self.pending[0], _result(self.pending[1])
+        try:
+            at = int(serializer('pending_step', -1 if self.pending is None
+                                else self.pending[0]))
+        except KeyError:
+            # Written before inverses could be built in the background.
+            at = -1
+        if loading and at < 0:
+            self.pending = None
+            return
+        form = self._serialize_form(
+            serializer, 'pending_', self.pending and self.pending[1])
+        if loading:
+            self.pending = at, form
+
+
+def _result(pending):
+    """The form of a pending inverse: a Future's result, or the form."""
+    if isinstance(pending, concurrent.futures.Future):
+        return pending.result()
+    return pending
 
 
 def _present_key(key):

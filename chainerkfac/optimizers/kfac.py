@@ -106,6 +106,13 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         inverse_interval: Steps between recomputations of the inverses (an
             int or a callable); an inverse is only recomputed when its
             factors or the damping changed since.
+        inverse_delay (int): ``d > 0`` builds every inverse but a block's
+            first in the background (Ba et al. 2017 §3.1,
+            :mod:`chainerkfac.background`): an inverse refreshed from the
+            factors of step ``t`` takes effect at step ``t + d``, the steps
+            between using the one before; the numbers do not depend on the
+            timing. A block refreshes no other inverse meanwhile. ``0``
+            (the default) builds it at once.
         acc_iters (int): ``update(lossfun, *batch)`` splits the batch into
             this many micro-batches and accumulates gradients and statistics
             over them, emulating a batch ``acc_iters`` times larger in the
@@ -189,7 +196,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
-                 step_rule='graft', independent_processes=False, **unknown):
+                 step_rule='graft', independent_processes=False,
+                 inverse_delay=0, **unknown):
         options.reject_unknown(unknown, type(self).__init__)
         super().__init__()
         hp = self.hyperparam
@@ -214,6 +222,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             schedules.Adaptive() if factor_interval is None
             else factor_interval)
         self.inverse_interval = options.inverse_interval(inverse_interval)
+        self.inverse_delay = options.count(inverse_delay, 'inverse_delay')
         self.acc_iters = options.positive_int(acc_iters, 'acc_iters')
         self.spatial_subsample = options.positive_int(spatial_subsample,
                                                       'spatial_subsample')
@@ -483,12 +492,26 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         refreshed = []
         if due:
             with self.timing('inversion'):
+                # Under an inverse_delay, the inverses that replace one
+                # go to the background worker (one thread), the first
+                # ones are built now.
+                now = [block for block in due if not self.inverse_delay
+                       or block.form is None]
+                for block in due:
+                    if block not in now:
+                        block.update_inverse(
+                            step, block.effective_damping(hp),
+                            self.inverse_delay)
                 refreshed = [block for block, done in zip(
-                    due, cpu_parallel.map_blocks(
+                    now, cpu_parallel.map_blocks(
                         lambda block: block.update_inverse(
                             step, block.effective_damping(hp)),
-                        due, cpu_parallel.block_work('inverse_cost')))
+                        now, cpu_parallel.block_work('inverse_cost')))
                     if done]
+        if self.inverse_delay:
+            with self.timing('inversion'):
+                refreshed += [block for block in owned
+                              if block.take_pending(step)]
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
         # manual loop may pass without loss_scaling()); the decay term must

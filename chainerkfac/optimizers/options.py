@@ -89,6 +89,15 @@ def positive_int(value, what):
     return value
 
 
+def count(value, what):
+    """``value`` if it is an int >= 0."""
+    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+            or value < 0):
+        raise ValueError('KFAC {} must be an int >= 0, got {!r}'
+                         .format(what, value))
+    return value
+
+
 def factor_intervals(value):
     """``{'A': interval, 'G': interval}`` from the ``factor_interval``
     option: one interval for both, or a dict with exactly those keys."""
@@ -124,6 +133,7 @@ def option_values(optimizer):
         factor_interval_A=optimizer.factor_interval['A'],
         factor_interval_G=optimizer.factor_interval['G'],
         inverse_interval=optimizer.inverse_interval,
+        inverse_delay=optimizer.inverse_delay,
         acc_iters=optimizer.acc_iters,
         spatial_subsample=optimizer.spatial_subsample,
         batch_subsample=optimizer.batch_subsample,
