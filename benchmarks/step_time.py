@@ -81,6 +81,18 @@ CONFIGS = {
         'under the guard (the default before grafting)',
         _kfac(factor_interval=10, inverse_interval=100, step_rule='natural',
               kl_clip=1e-4), None),
+    'kfac_adaptive_delay3': (
+        'K-FAC, Adaptive() factors, inverses when changed, built in the '
+        'background and used 3 steps later (inverse_delay=3)',
+        _kfac(factor_interval=schedules.Adaptive(), inverse_interval=1,
+              inverse_delay=3), None),
+    'kfac_10_20': ('K-FAC, factors every 10, inverses every 20',
+                   _kfac(factor_interval=10, inverse_interval=20), None),
+    'kfac_10_20_delay3': (
+        'K-FAC, factors every 10, inverses every 20, built in the '
+        'background and used 3 steps later (inverse_delay=3)',
+        _kfac(factor_interval=10, inverse_interval=20, inverse_delay=3),
+        None),
     'kfac_50_50': ('K-FAC, factors and inverses every 50',
                    _kfac(factor_interval=50, inverse_interval=50), None),
     'kfac_stale_fisher': (

@@ -497,20 +497,21 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 # ones are built now.
                 now = [block for block in due if not self.inverse_delay
                        or block.form is None]
-                for block in due:
-                    if block not in now:
-                        block.update_inverse(
-                            step, block.effective_damping(hp),
-                            self.inverse_delay)
+                for block in [b for b in due if b not in now]:
+                    block.update_inverse(step, block.effective_damping(hp),
+                                         self.inverse_delay)
                 refreshed = [block for block, done in zip(
                     now, cpu_parallel.map_blocks(
                         lambda block: block.update_inverse(
                             step, block.effective_damping(hp)),
                         now, cpu_parallel.block_work('inverse_cost')))
                     if done]
-        if self.inverse_delay:
+        ready = [block for block in owned if block.pending is not None
+                 and block.pending[0] <= step]
+        if ready:
+            # Waits for the worker only if it is late.
             with self.timing('inversion'):
-                refreshed += [block for block in owned
+                refreshed += [block for block in ready
                               if block.take_pending(step)]
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
