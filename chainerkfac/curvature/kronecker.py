@@ -124,7 +124,9 @@ class KroneckerBlock(base.FisherBlock):
         """Returns ``(S, n)``: ``S`` of shape ``(d, n)``, each sample's
         input columns of :meth:`input_columns` summed over its positions
         (``Σ_t a_{i,t}``), and the number of samples."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            "{} has no input_position_sums: conv_factors='reduced' needs it "
+            'for a layer with several positions'.format(type(self).__name__))
 
     def reduced_input_moments(self, x, sums, out=None):
         """:meth:`input_moments` of the reduced factors: ``(S Sᵀ / T, S 1
@@ -174,7 +176,10 @@ class KroneckerBlock(base.FisherBlock):
     def output_position_sums(self, gy):
         """Returns ``(S, n)``: ``S`` of shape ``(out, n)``, each sample's
         output gradients summed over its positions."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            "{} has no output_position_sums: conv_factors='reduced' needs "
+            'it for a layer with several positions'.format(
+                type(self).__name__))
 
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
