@@ -184,17 +184,25 @@ def classifier(model_name, data, seed):
     return L.Classifier(factory()), (x_train, y_train), (x_val, y_val)
 
 
+#: What :func:`run` counts of K-FAC's reports, summed over the run.
+REFRESHES = ('factor_refreshes', 'inverse_refreshes')
+
+
 def run(model_name, make_optimizer, seed, iterations, batchsize, data,
         damping_at=None):
     """Trains one model; returns its losses and final validation figures.
 
     ``damping_at(t)``, if given, sets K-FAC's damping before update ``t``
     (what a Trainer extension such as the ImageNet example's
-    ``DampingWarmup`` does)."""
+    ``DampingWarmup`` does). K-FAC's factor and inverse refreshes are
+    counted (what its schedules made the run compute)."""
     model, (x_train, y_train), (x_val, y_val) = classifier(model_name, data,
                                                            seed)
     optimizer = make_optimizer()
     optimizer.setup(model)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    refreshes = dict.fromkeys(REFRESHES, 0)
     rng = numpy.random.RandomState(seed)
     order, position, losses = rng.permutation(len(x_train)), 0, []
     start = time.perf_counter()
@@ -206,11 +214,15 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
             order, position = rng.permutation(len(x_train)), 0
         idx = order[position:position + batchsize]
         position += batchsize
+        observation = {}
         try:
-            optimizer.update(model, x_train[idx], y_train[idx])
+            with reporter.scope(observation):
+                optimizer.update(model, x_train[idx], y_train[idx])
         except Exception as e:  # a diverged run that raised
             error = '{}: {}'.format(type(e).__name__, e)
             break
+        for key in refreshes:
+            refreshes[key] += int(observation.get('kfac/' + key, 0))
         losses.append(float(model.loss.array))
     seconds = time.perf_counter() - start
     with chainer.using_config('train', False), \
@@ -225,7 +237,8 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
             'final_loss': float(numpy.mean(losses[-10:])) if losses
             else None,
             'max_loss': max(losses) if losses else None,
-            'diverged': bool(diverged), 'error': error, 'seconds': seconds}
+            'diverged': bool(diverged), 'error': error, 'seconds': seconds,
+            **refreshes}
 
 
 def summary(model_name, lr, optimizer_name, runs):
@@ -238,11 +251,14 @@ def summary(model_name, lr, optimizer_name, runs):
         'diverged': sum(r['diverged'] for r in runs),
         'seconds': float(numpy.mean([r['seconds'] for r in runs])),
         'runs': runs}
+    cell.update({key: float(numpy.mean([r[key] for r in runs]))
+                 for key in REFRESHES})
     print('{:7} lr {:<5} {:13} val acc {:.3f} loss {:9.3g} diverged {}/{} '
-          '({:.1f} s)'.format(model_name, lr, optimizer_name,
-                              cell['val_accuracy'], cell['val_loss'],
-                              cell['diverged'], len(runs), cell['seconds']),
-          flush=True)
+          '({:.1f} s, refreshes: {:.0f} factors, {:.0f} inverses)'.format(
+              model_name, lr, optimizer_name, cell['val_accuracy'],
+              cell['val_loss'], cell['diverged'], len(runs),
+              cell['seconds'], cell['factor_refreshes'],
+              cell['inverse_refreshes']), flush=True)
     return cell
 
 

@@ -116,6 +116,17 @@ CONFIGS = {
                           'batch_subsample=4',
                           _kfac(factor_interval=10, inverse_interval=100,
                                 batch_subsample=4), None),
+    'kfac_1_reduced': ("K-FAC, refresh every step, conv_factors='reduced'",
+                       _kfac(conv_factors='reduced'), None),
+    'kfac_10_100_reduced': ('K-FAC, factors every 10, inverses every 100, '
+                            "conv_factors='reduced'",
+                            _kfac(factor_interval=10, inverse_interval=100,
+                                  conv_factors='reduced'), None),
+    'kfac_adaptive_reduced': ('K-FAC, Adaptive() factors, inverses when '
+                              "changed, conv_factors='reduced'",
+                              _kfac(factor_interval=schedules.Adaptive(),
+                                    inverse_interval=1,
+                                    conv_factors='reduced'), None),
 }
 
 DEFAULT_CONFIGS = ['sgd', 'kfac_1', 'kfac_10_100', 'kfac_50_50',
@@ -296,9 +307,9 @@ def analyse(runners, sgd_name='sgd'):
 
 def _refresh_every_step(name):
     """The configuration doing the same work every step as ``name`` on its
-    refresh steps: ``kfac_1``, with the same ``_subN`` / ``_bsubN``
-    variant."""
-    return 'kfac_1' + re.search(r'(_b?sub\d+)*$', name).group()
+    refresh steps: ``kfac_1``, with the same ``_subN`` / ``_bsubN`` /
+    ``_reduced`` variant."""
+    return 'kfac_1' + re.search(r'(_b?sub\d+|_reduced)*$', name).group()
 
 
 def _ratio_cell(summ):

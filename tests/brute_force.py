@@ -47,6 +47,26 @@ def kronecker_factors(patches, out_grads, bias):
     return A / n, G / (n * T)
 
 
+def reduced_factors(patches, out_grads, bias):
+    """A and G of ``conv_factors='reduced'`` (Ba et al. 2017, appendix A)
+    from the same per-sample rows as :func:`kronecker_factors`: per sample,
+    the rows (with the homogeneous 1 at every position) summed over the
+    ``T`` positions and scaled by ``T^(-1/2)``."""
+    n, T, _ = patches.shape
+    A = 0
+    G = 0
+    for i in range(n):
+        a = 0
+        g = 0
+        for t in range(T):
+            a = a + (numpy.append(patches[i, t], 1.0) if bias
+                     else patches[i, t])
+            g = g + out_grads[i, t]
+        A = A + numpy.outer(a, a) / T
+        G = G + numpy.outer(g, g) / T
+    return A / n, G / n
+
+
 def factored_damping(A, G, damping):
     pi = numpy.sqrt((numpy.trace(A) / len(A)) / (numpy.trace(G) / len(G)))
     return (A + pi * numpy.sqrt(damping) * numpy.eye(len(A)),

@@ -16,12 +16,18 @@ def per_sample_loss(y, r):
     return F.sum(F.tanh(y) * r, axis=tuple(range(1, y.ndim)))
 
 
-def collect(link, x, r, **kfac_options):
-    """Runs one K-FAC step on ``link`` (on the tests' device) and returns
-    its block."""
+def linear_loss(y, r):
+    """l_i = Σ y_i r_i: the per-sample output gradient is r_i itself."""
+    return F.sum(y * r, axis=tuple(range(1, y.ndim)))
+
+
+def collect(link, x, r, loss=per_sample_loss, link_kwargs=None,
+            **kfac_options):
+    """Runs one K-FAC step on ``link`` (on the tests' device) with the
+    batch mean of ``loss`` and returns its block."""
     opt = chainerkfac.optimizers.KFAC(lr=0.0, **kfac_options)
     opt.setup(place(link))
-    opt.update(lambda x, r: F.mean(per_sample_loss(link(x), r)),
+    opt.update(lambda x, r: F.mean(loss(link(x, **(link_kwargs or {})), r)),
                *send(x, r))
     block, = opt.blocks
     return block
@@ -76,6 +82,145 @@ def test_convolution_2d_factors(link_class, stride, pad, dilate):
     block = collect(link, x, r)
     numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
     numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
+
+
+def paper_product(patches, out_grads, bias):
+    """Ba et al. 2017, appendix A, eq. (18): ``|T|² E[Ā Āᵀ] ⊗ E[D̄ D̄ᵀ]``
+    with ``Ā``, ``D̄`` each sample's means over positions (as ``kron`` of
+    the matrices, whose ``vec`` is column-major)."""
+    n, T, _ = patches.shape
+    if bias:
+        patches = numpy.concatenate([patches, numpy.ones((n, T, 1))], axis=2)
+    a, d = patches.mean(axis=1), out_grads.mean(axis=1)
+    return T * T * numpy.kron(a.T @ a / n, d.T @ d / n)
+
+
+@pytest.mark.parametrize('ksize,stride,pad,dilate,nobias,batch_subsample', [
+    ((3, 2), 1, 0, 1, False, 1), ((3, 2), (2, 1), 1, 1, True, 1),
+    ((3, 2), 1, (2, 1), 2, False, 1), (3, 2, 1, (1, 2), True, 1),
+    (1, 2, 0, 1, False, 1), ((3, 2), (2, 1), 1, 1, False, 3)])
+def test_reduced_convolution_2d_factors(ksize, stride, pad, dilate, nobias,
+                                        batch_subsample):
+    # conv_factors='reduced': each sample's patches and output gradients
+    # summed over positions, T^(-1/2) on each factor's side, over the first
+    # ⌈n/k⌉ samples; the product is the paper's eq. (18).
+    rng = numpy.random.RandomState(10)
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Convolution2D(2, 3, ksize, stride=stride, pad=pad,
+                               dilate=dilate, nobias=nobias,
+                               initial_bias=0.5)
+    link.W.array = rng.randn(*link.W.shape)
+    x = rng.randn(7, 2, 7, 6)
+    r = rng.randn(*link(x).shape)
+    m = -(-len(x) // batch_subsample)
+    gy = per_sample_output_grads(link, x, r)[:m]
+    n, out, oh, ow = gy.shape
+    patches = brute_force.conv_patches(x[:m], link.W.shape[2:], link.stride,
+                                       link.pad, link.dilate)
+    rows = gy.reshape(n, out, oh * ow).transpose(0, 2, 1)
+    A, G = brute_force.reduced_factors(patches, rows, not nobias)
+    numpy.testing.assert_allclose(numpy.kron(A, G), paper_product(
+        patches, rows, not nobias), rtol=1e-12)
+    block = collect(link, x, r, conv_factors='reduced',
+                    batch_subsample=batch_subsample)
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
+    assert block.describe().endswith(", conv_factors='reduced'")
+
+
+@pytest.mark.parametrize('nobias', [False, True])
+def test_reduced_linear_factors(nobias):
+    # n_batch_axes=2: the T positions of a sample are summed as a
+    # convolution's; with one position the factors are the expanded ones.
+    rng = numpy.random.RandomState(11)
+    n, T = 5, 4
+    with chainer.using_config('dtype', numpy.float64):
+        link = L.Linear(3, 2, nobias=nobias, initial_bias=0.5)
+    link.W.array = rng.randn(2, 3)
+    x, r = rng.randn(n, T, 3), rng.randn(n, T, 2)
+    gy = []
+    for i in range(n):
+        y = link(x[i:i + 1], n_batch_axes=2)
+        g, = chainer.grad([F.sum(per_sample_loss(y, r[i:i + 1]))], [y])
+        gy.append(g.array[0])
+    A, G = brute_force.reduced_factors(x, numpy.stack(gy), not nobias)
+    block = collect(link, x, r, link_kwargs={'n_batch_axes': 2},
+                    conv_factors='reduced')
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
+    expanded, reduced = (collect(link.copy(mode='copy'), x[:, 0], r[:, 0],
+                                 conv_factors=mode)
+                         for mode in ('expanded', 'reduced'))
+    for f in ('A', 'G'):
+        numpy.testing.assert_array_equal(host(reduced.factor[f]),
+                                         host(expanded.factor[f]))
+
+
+def hadamard(k):
+    """A ``k x k`` matrix of ±1 with orthogonal rows and columns."""
+    H = numpy.ones((1, 1))
+    while len(H) < k:
+        H = numpy.block([[H, H], [H, -H]])
+    return H
+
+
+@pytest.mark.parametrize('kind', ['convolution', 'linear'])
+def test_reduced_factors_equal_kfc_where_its_assumptions_hold(kind):
+    # Activations constant over positions and derivatives uncorrelated
+    # across positions (copies of a sample whose derivatives at position t
+    # carry the signs of Hadamard column t: the cross terms cancel over the
+    # batch): the reduced factors are KFC's. With derivatives constant over
+    # positions too, a sample's gradient is exactly T ā ⊗ ĝ: the reduced
+    # A ⊗ G is its Fisher, T times KFC's.
+    rng = numpy.random.RandomState(12)
+    T, copies = 4, 4
+    with chainer.using_config('dtype', numpy.float64):
+        if kind == 'convolution':
+            # A 3x3 kernel without padding over a constant 4x4 input: every
+            # patch is the same, at 2x2 positions.
+            link = L.Convolution2D(2, 3, 3, initial_bias=0.5)
+            x = numpy.repeat(rng.randn(2, 2, 1, 1), 16, axis=2).reshape(
+                2, 2, 4, 4)
+            kwargs = {}
+        else:
+            link = L.Linear(2, 3, initial_bias=0.5)
+            x = numpy.repeat(rng.randn(2, 1, 2), T, axis=1)
+            kwargs = {'n_batch_axes': 2}
+    link.W.array = rng.randn(*link.W.shape)
+    shape = link(x, **kwargs).shape  # (n, 3, 2, 2) or (n, T, 3)
+
+    def positions_last(v):
+        return v if kind == 'convolution' else v.transpose(0, 2, 1)
+
+    x = numpy.repeat(x, copies, axis=0)
+    base = numpy.repeat(rng.randn(2, 3, T), copies, axis=0)
+    signs = numpy.tile(hadamard(T)[:copies], (2, 1))[:, None]
+
+    def factors(x, r, mode):
+        block = collect(link.copy(mode='copy'), x,
+                        positions_last(r).reshape((len(x),) + shape[1:]),
+                        loss=linear_loss, link_kwargs=kwargs,
+                        conv_factors=mode)
+        return host(block.factor['A']), host(block.factor['G'])
+
+    (A, G), (A_r, G_r) = (factors(x, base * signs, mode)
+                          for mode in ('expanded', 'reduced'))
+    numpy.testing.assert_allclose(A_r, A, rtol=1e-12)
+    numpy.testing.assert_allclose(G_r, G, rtol=1e-12)
+
+    g = base[0, :, 0]
+    (A, G), (A_r, G_r) = (factors(x[:1], numpy.repeat(
+        g[None, :, None], T, axis=2), mode)
+        for mode in ('expanded', 'reduced'))
+    a = numpy.append(brute_force.conv_patches(
+        x[:1], (3, 3), (1, 1), (0, 0), (1, 1))[0, 0]
+        if kind == 'convolution' else x[0, 0], 1.0)
+    gradient = brute_force.vec(T * numpy.outer(g, a))
+    numpy.testing.assert_allclose(numpy.kron(A_r, G_r),
+                                  numpy.outer(gradient, gradient),
+                                  rtol=1e-12)
+    numpy.testing.assert_allclose(numpy.kron(A_r, G_r),
+                                  T * numpy.kron(A, G), rtol=1e-12)
 
 
 @pytest.mark.parametrize('n,dim,positions,sizes', [

@@ -38,12 +38,13 @@ def batch(dtype):
     return send(x, rng.randint(0, 3, 8).astype(numpy.int32))
 
 
-def one_step(dtype, loss_scale=None):
+def one_step(dtype, loss_scale=None, conv_factors='expanded'):
     """Factors after one step of a model built and run in ``dtype``
     (``chainer.mixed16``: float32 parameters, float16 activations)."""
     numpy.random.seed(0)
     model = place(Net(dtype))
-    optimizer = chainerkfac.optimizers.KFAC(lr=0.01, damping=0.1)
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.01, damping=0.1,
+                                            conv_factors=conv_factors)
     optimizer.setup(model)
     if loss_scale is not None:
         optimizer.loss_scaling(scale=loss_scale)
@@ -55,15 +56,17 @@ def one_step(dtype, loss_scale=None):
             for f in block.factors}
 
 
-@pytest.mark.parametrize('dtype', [numpy.float16, chainer.mixed16])
-def test_half_precision_factors_are_float32_and_match(dtype):
+@pytest.mark.parametrize('dtype,conv_factors', [
+    (numpy.float16, 'expanded'), (chainer.mixed16, 'expanded'),
+    (numpy.float16, 'reduced')])
+def test_half_precision_factors_are_float32_and_match(dtype, conv_factors):
     # The float32 model's factors, at a loss scale of 1024 (G sums squares
     # of gradients scaled 1024x: 2^20 times their size, far over float16's
     # range), equal the unscaled ones; the half-precision model's are
     # float32 and finite, equal to those up to float16's rounding.
-    expected = one_step(numpy.float32)
-    scaled = one_step(numpy.float32, loss_scale=1024)
-    half = one_step(dtype, loss_scale=1024)
+    expected = one_step(numpy.float32, conv_factors=conv_factors)
+    scaled = one_step(numpy.float32, 1024, conv_factors)
+    half = one_step(dtype, 1024, conv_factors)
     for key, value in expected.items():
         numpy.testing.assert_allclose(host(scaled[key]), host(value),
                                       rtol=1e-5, err_msg=str(key))

@@ -37,11 +37,15 @@ def assert_same_parameters(got, expected, what):
             err_msg='{}, {}'.format(what, name))
 
 
-@pytest.mark.parametrize('inverse,rule', [
-    ('cholesky', 'graft'), ('eigen', 'graft'), ('cholesky', 'natural'),
-    ('eigen', 'relative_kl')])
-def test_distributed_equals_single_process(tmp_path, inverse, rule):
-    options = ['--inverse', inverse, '--step-rule', rule]
+@pytest.mark.parametrize('inverse,rule,conv_factors', [
+    ('cholesky', 'graft', 'expanded'), ('eigen', 'graft', 'expanded'),
+    ('cholesky', 'natural', 'expanded'),
+    ('eigen', 'relative_kl', 'expanded'),
+    ('cholesky', 'graft', 'reduced')])
+def test_distributed_equals_single_process(tmp_path, inverse, rule,
+                                           conv_factors):
+    options = ['--inverse', inverse, '--step-rule', rule,
+               '--conv-factors', conv_factors]
     expected = single_process(tmp_path, options)
     # The update-norm guard scales most steps, identically on every rank.
     assert (expected['update_scale'] < 1).sum() >= 4, expected['update_scale']

@@ -327,6 +327,11 @@ def test_snapshot_with_other_layers_options_or_nonfinite_is_refused():
     with pytest.raises(ValueError, match="inverse='cholesky', this run has "
                        "'eigen'"):
         loading_into(MLP(), chainerkfac.optimizers.KFAC(inverse='eigen'))
+    with pytest.raises(ValueError, match="'l1: K-FAC A 5x5, G 5x5' in the "
+                       'snapshot, "l1: K-FAC A 5x5, G 5x5, '
+                       'conv_factors=\'reduced\'" in this model'):
+        loading_into(MLP(), chainerkfac.optimizers.KFAC(
+            conv_factors='reduced'))
     state['kfac/l2/G'] = state['kfac/l2/G'].copy()
     state['kfac/l2/G'][0, 0] = numpy.inf
     with pytest.raises(ValueError, match='non-finite G of K-FAC layer l2'):

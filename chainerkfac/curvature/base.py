@@ -38,7 +38,7 @@ class NonFiniteError(FloatingPointError):
 BlockOptions = collections.namedtuple(
     'BlockOptions',
     ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher',
-     'spatial_subsample', 'batch_subsample'])
+     'spatial_subsample', 'batch_subsample', 'conv_factors'])
 
 
 class FisherBlock:

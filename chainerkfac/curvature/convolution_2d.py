@@ -6,8 +6,13 @@
 to the full count: under KFC's spatial homogeneity (Grosse & Martens 2016
 §3) every position has the same statistics, so a subset of them estimates
 the sum. This divides the work of the largest statistics (im2col and
-``Q Qᵀ``) by about ``s²``. (Ba et al. 2017, appendix A, cheapen the same
-factor another way, from the patches averaged over positions.)
+``Q Qᵀ``) by about ``s²``.
+
+``conv_factors='reduced'`` (Ba et al. 2017, appendix A; the convention in
+:mod:`chainerkfac.curvature.kronecker`) takes both factors from each
+sample's patches and output gradients summed over positions: no im2col,
+and products over ``n`` columns instead of ``n T``
+(:func:`tap_sums`).
 
 A stride-1 convolution on a large input skips im2col
 (:func:`shifted_gram`):
@@ -65,6 +70,42 @@ def shifted_gram_pays(link, shape, spatial_subsample=1):
     oh, ow = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
     return (link.stride == link.dilate == (1, 1) and spatial_subsample == 1
             and kh * kw > 1 and oh >= 4 * (kh - 1) and ow >= 4 * (kw - 1))
+
+
+def _tap_window(tap, dilate, stride, pad, size, out):
+    """The input indices (a slice) that kernel tap ``tap`` reads along one
+    axis of length ``size`` over ``out`` output positions, the padding
+    left out: ``tap dilate - pad + p stride`` for ``p < out``."""
+    first = max(0, -(-(pad - tap * dilate) // stride))
+    last = min(out, (size - 1 + pad - tap * dilate) // stride + 1)
+    start = tap * dilate - pad + first * stride
+    if last <= first:
+        return slice(0, 0)
+    return slice(start, start + (last - first - 1) * stride + 1, stride)
+
+
+def tap_sums(x, ksize, stride, pad, dilate):
+    """Each sample's im2col patches summed over the output positions, as
+    ``(c kh kw, n)`` columns in the layout of ``W.reshape(out, -1)``.
+
+    Tap ``(j, i)`` reads a strided window of the input, so its sum over
+    positions is the window's sum; the padding adds zeros and is left
+    out. The rows of each tap row ``j`` are summed once and their columns
+    then per tap: ``kh`` reductions over the rows, ``kh kw`` over ``ow``
+    columns, against ``kh kw`` over ``oh ow`` positions.
+    """
+    xp = backend.get_array_module(x)
+    (kh, kw), (sy, sx), (ph, pw), (dy, dx) = ksize, stride, pad, dilate
+    n, c, h, w = x.shape
+    oh = (h + 2 * ph - dy * (kh - 1) - 1) // sy + 1
+    ow = (w + 2 * pw - dx * (kw - 1) - 1) // sx + 1
+    sums = xp.empty((n, c, kh, kw), dtype=x.dtype)
+    for j in range(kh):
+        rows = x[:, :, _tap_window(j, dy, sy, ph, h, oh)].sum(axis=2)
+        for i in range(kw):
+            sums[:, :, j, i] = rows[:, :, _tap_window(
+                i, dx, sx, pw, w, ow)].sum(axis=2)
+    return sums.reshape(n, -1).T
 
 
 def tap_pairs(h, w, ksize, pad):
@@ -247,6 +288,15 @@ class Convolution2DBlock(kronecker.KroneckerBlock):
                 for j in range(kh) for i in range(kw)], axis=1).ravel()
         return (shifted_gram(x, (kh, kw), (ph, pw), out), row_sums,
                 n * oh * ow, n)
+
+    def input_position_sums(self, x):
+        link = self.link
+        return tap_sums(x, _kernel(link), link.stride, link.pad,
+                        link.dilate), len(x)
+
+    def output_position_sums(self, gy):
+        return gy.reshape(gy.shape[0], gy.shape[1], -1).sum(axis=2).T, \
+            len(gy)
 
     def output_columns(self, gy):
         n, out = gy.shape[:2]

@@ -18,6 +18,25 @@ samples of the batch only and divide by ``m`` instead of ``n``: the same
 expectations, estimated from fewer samples, for about ``1/k`` of the
 work.
 ``ĝ`` keeps the scale of the whole batch's mean loss.
+
+With ``conv_factors='reduced'`` (Ba, Grosse & Martens 2017, appendix A) a
+layer with ``T > 1`` positions takes one column per sample, the sum over
+its positions scaled by ``T^(-1/2)``, for both factors::
+
+    ã_i = T^(-1/2) Σ_t ā_{i,t}      g̃_i = T^(-1/2) Σ_t ĝ_{i,t}
+    A = (1/n) Σ_i ã_i ã_iᵀ          G = (1/n) Σ_i g̃_i g̃_iᵀ
+
+(the homogeneous coordinate of ``ã`` is ``√T``). With ``Ā``, ``D̄`` the
+means over positions, ``A ⊗ G = |T|² E[Ā Āᵀ] ⊗ E[D̄ D̄ᵀ]``, their eq. (18):
+the per-sample gradient ``Σ_t ā_t ⊗ ĝ_t`` taken as ``|T| Ā ⊗ D̄``. The
+``T²`` is shared evenly so that each factor is KFC's where KFC's
+assumptions hold: with activations constant over positions ``A`` is KFC's
+``A``; with derivatives uncorrelated across positions (their cross terms
+summing to zero over the batch) ``G`` is KFC's ``G``. Where the derivatives
+are constant over positions too, the per-sample gradient is exactly ``T ā ⊗
+ĝ`` and ``A ⊗ G`` is ``T`` times KFC's, which assumes them independent. The
+statistics cost ``n d²`` instead of ``n T d²``. A Linear layer with one
+position (``T = 1``) has the same factors in both modes.
 """
 from chainer import backend
 import numpy
@@ -61,6 +80,7 @@ class KroneckerBlock(base.FisherBlock):
         super().__init__(link, name, options)
         self.has_bias = getattr(link, 'b', None) is not None
         self.batch_subsample = options.batch_subsample
+        self.conv_factors = options.conv_factors
 
     @classmethod
     def form_family(cls, options):
@@ -70,6 +90,11 @@ class KroneckerBlock(base.FisherBlock):
         """The samples the statistics use: the first ``⌈n/k⌉``."""
         k = self.batch_subsample
         return batch if k == 1 else batch[:-(-len(batch) // k)]
+
+    def _reduced(self, positions):
+        """Whether the statistics of a sample with ``positions`` positions
+        come from its sums over positions (``conv_factors='reduced'``)."""
+        return self.conv_factors == 'reduced' and positions > 1
 
     def params(self):
         return [self.link.W] + ([self.link.b] if self.has_bias else [])
@@ -94,6 +119,27 @@ class KroneckerBlock(base.FisherBlock):
         W = self.link.W
         return self._moments(self.input_columns, x, W.size // W.shape[0],
                              self.input_positions(x), sums, out)
+
+    def input_position_sums(self, x):
+        """Returns ``(S, n)``: ``S`` of shape ``(d, n)``, each sample's
+        input columns of :meth:`input_columns` summed over its positions
+        (``Σ_t a_{i,t}``), and the number of samples."""
+        raise NotImplementedError(
+            "{} has no input_position_sums: conv_factors='reduced' needs it "
+            'for a layer with several positions'.format(type(self).__name__))
+
+    def reduced_input_moments(self, x, sums, out=None):
+        """:meth:`input_moments` of the reduced factors: ``(S Sᵀ / T, S 1
+        or None, n T, n)`` for the ``(S, n)`` of
+        :meth:`input_position_sums`, the moments of the columns ``ã_i =
+        S_i / √T`` with the homogeneous coordinate's ``Σ ã_i √T = S 1``
+        and ``Σ T = n T`` in place of the column count."""
+        W = self.link.W
+        T = self.input_positions(x)
+        gram, row_sums, count, n = self._moments(
+            self.input_position_sums, x, W.size // W.shape[0], 1, sums, out)
+        gram /= T
+        return gram, row_sums, count * T, n
 
     @staticmethod
     def _moments(columns, batch, dim, positions, sums=False, out=None):
@@ -127,13 +173,24 @@ class KroneckerBlock(base.FisherBlock):
         """Returns ``(Q, n)``: output-gradient columns ``(out, n T)``."""
         raise NotImplementedError
 
+    def output_position_sums(self, gy):
+        """Returns ``(S, n)``: ``S`` of shape ``(out, n)``, each sample's
+        output gradients summed over its positions."""
+        raise NotImplementedError(
+            "{} has no output_position_sums: conv_factors='reduced' needs "
+            'it for a layer with several positions'.format(
+                type(self).__name__))
+
     def forward_statistics(self, x, wanted):
         if 'A' in wanted:
             W = self.link.W
             d = W.size // W.shape[0]
             size = d + int(self.has_bias)
             A = self.statistics_out('A', (size, size), x)
-            _, sums, columns, n = self.input_moments(
+            moments = (self.reduced_input_moments
+                       if self._reduced(self.input_positions(x))
+                       else self.input_moments)
+            _, sums, columns, n = moments(
                 self._kept(x), self.has_bias, out=A[:d, :d])
             if self.has_bias:
                 A[:d, d] = A[d, :d] = sums
@@ -145,10 +202,13 @@ class KroneckerBlock(base.FisherBlock):
         n, out = len(gy), self.link.W.shape[0]
         T = gy[0].size // out
         gram = self.statistics_out('G', (out, out), gy)
-        _, _, _, m = self._moments(self.output_columns, self._kept(gy), out,
-                                   T, out=gram)
+        columns, positions = ((self.output_position_sums, 1)
+                              if self._reduced(T) else
+                              (self.output_columns, T))
+        _, _, _, m = self._moments(columns, self._kept(gy), out, positions,
+                                   out=gram)
         # ĝ = n gy per sample, n of the whole batch; the mean over positions
-        # divides by T.
+        # (or the T^(-1/2) of both reduced columns) divides by T.
         gram *= n * n / T
         self._accumulate('G', gram, m)
 
@@ -206,4 +266,6 @@ class KroneckerBlock(base.FisherBlock):
             return ('K-FAC (A, G), shape set at first forward; no '
                     'curvature until then')
         d_in = W.size // W.shape[0] + int(self.has_bias)
-        return 'K-FAC A {0}x{0}, G {1}x{1}'.format(d_in, W.shape[0])
+        mode = (", conv_factors='reduced'" if self.conv_factors == 'reduced'
+                else '')
+        return 'K-FAC A {0}x{0}, G {1}x{1}{2}'.format(d_in, W.shape[0], mode)

@@ -146,6 +146,16 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             only; 1 takes every sample. ``k`` divides the statistics' work
             by about ``k``; BatchNormalization statistics, which cost
             little, use the whole batch.
+        conv_factors (str): The factors of layers with several positions
+            per sample (Convolution2D, Linear with ``n_batch_axes > 1``):
+            ``'expanded'`` (KFC, Grosse & Martens 2016: outer products at
+            every position) or ``'reduced'`` (Ba et al. 2017, appendix A:
+            the outer products of each sample's activations and
+            derivatives summed over positions,
+            ``A ⊗ G = |T|² E[Ā Āᵀ] ⊗ E[D̄ D̄ᵀ]``, the convention in
+            :mod:`chainerkfac.curvature.kronecker`), which costs ``T``
+            times fewer operations. ``'reduced'`` needs
+            ``spatial_subsample=1``.
         kl_clip (float or None): The update-norm guard's bound κ (Ba et al.
             2017 §5, :mod:`chainerkfac.update_norm`): every block's step
             ``ρ_b F̂_b⁻¹∇_b`` is scaled by ``ν = min(1, sqrt(κ / q))``, with
@@ -196,8 +206,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
-                 step_rule='graft', independent_processes=False,
-                 inverse_delay=0, **unknown):
+                 step_rule='graft', conv_factors='expanded',
+                 independent_processes=False, inverse_delay=0, **unknown):
         options.reject_unknown(unknown, type(self).__init__)
         super().__init__()
         hp = self.hyperparam
@@ -228,6 +238,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                                       'spatial_subsample')
         self.batch_subsample = options.positive_int(batch_subsample,
                                                     'batch_subsample')
+        self.conv_factors = options.conv_factors(conv_factors,
+                                                 self.spatial_subsample)
         self.kl_clip_batch = None if kl_clip_batch is None else \
             options.positive_int(kl_clip_batch, 'kl_clip_batch')
         self.max_skipped_steps = options.positive_int(max_skipped_steps,
@@ -303,7 +315,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             inverse_interval=self.inverse_interval,
             inverse=self.inverse, bn_fisher=self.bn_fisher,
             spatial_subsample=self.spatial_subsample,
-            batch_subsample=self.batch_subsample)
+            batch_subsample=self.batch_subsample,
+            conv_factors=self.conv_factors)
         self.blocks, self._unsupported = registry.blocks_of(link, options)
         by_link = {block.link: block for block in self.blocks}
         # Bound methods, not closures: a set-up optimizer (and its model)

@@ -11,6 +11,7 @@ INVERSES = ('cholesky', 'eigen')
 BN_FISHERS = ('diagonal', 'full')
 NONFINITE = ('raise', 'skip')
 DIVERGENCE = ('warn', 'raise')
+CONV_FACTORS = ('expanded', 'reduced')
 
 #: Hyperparameter -> (whether a number is in range, the rule in words).
 HYPERPARAMETER_RULES = {
@@ -80,6 +81,19 @@ def choice(value, choices, what):
     return value
 
 
+def conv_factors(value, spatial_subsample):
+    """The ``conv_factors`` option; ``'reduced'`` sums every position, so
+    it refuses a ``spatial_subsample`` that would leave some out."""
+    value = choice(value, CONV_FACTORS, 'conv_factors')
+    if value == 'reduced' and spatial_subsample != 1:
+        raise ValueError(
+            "KFAC spatial_subsample must be 1 with conv_factors='reduced', "
+            'got {!r}: the reduced factors sum each sample over every '
+            'position, at a cost that subsampling would barely '
+            'lower'.format(spatial_subsample))
+    return value
+
+
 def positive_int(value, what):
     """``value`` if it is an int >= 1."""
     if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
@@ -137,6 +151,7 @@ def option_values(optimizer):
         acc_iters=optimizer.acc_iters,
         spatial_subsample=optimizer.spatial_subsample,
         batch_subsample=optimizer.batch_subsample,
+        conv_factors=optimizer.conv_factors,
         kl_clip_batch=optimizer.kl_clip_batch,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,

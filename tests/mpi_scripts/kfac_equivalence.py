@@ -5,7 +5,7 @@
     ... [--mlp [H1,H2]] [--max-load-imbalance X] [--min-shared-dim D]
     ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
-    ... [--float16] [--transport-dtype float16]
+    ... [--float16] [--transport-dtype float16] [--conv-factors reduced]
 
 The update-norm guard is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
@@ -95,6 +95,7 @@ def main():
     parser.add_argument('--transport-dtype', default=None)
     parser.add_argument('--step-rule', default='graft')
     parser.add_argument('--kl-clip', type=float, default=1e-5)
+    parser.add_argument('--conv-factors', default='expanded')
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
@@ -111,7 +112,7 @@ def main():
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters, kl_clip=args.kl_clip,
-        step_rule=args.step_rule)
+        step_rule=args.step_rule, conv_factors=args.conv_factors)
     if args.float16:
         optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1
