@@ -181,8 +181,10 @@ class AveragedEvaluator(extensions.Evaluator):
 
     Args:
         averaging (PolyakAveraging): The average to evaluate.
-        *args, **kwargs: Those of ``chainer.training.extensions.Evaluator``
-            (the iterator, the target link, ...).
+
+    The other arguments are those of
+    ``chainer.training.extensions.Evaluator`` (the iterator, the target
+    link, ...).
     """
 
     default_name = 'validation_averaged'

@@ -52,6 +52,7 @@ PUBLIC_MODULES = [
     'chainerkfac.cpu_parallel',
     'chainerkfac.distributed',
     'chainerkfac.hooks',
+    'chainerkfac.averaging',
 ]
 
 
