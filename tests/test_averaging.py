@@ -4,7 +4,6 @@ evaluation under it, snapshots, with MomentumSGD and K-FAC alike.
 The distributed case (every rank holds the same average) is
 tests/mpi_scripts/polyak_averaging.py, run by the last test here."""
 import chainer
-import chainer.functions as F
 import chainer.links as L
 import numpy
 import pytest
@@ -14,22 +13,9 @@ from chainer.training import extensions
 import chainerkfac
 from tests import device
 from tests import mpi_helpers
+from tests.rank_checks import BatchNormMLP
 
 DECAY = 0.9
-
-
-class Net(chainer.Chain):
-    """Linear, BatchNorm, Linear: parameters and running statistics."""
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(3, 5)
-            self.bn = L.BatchNormalization(5)
-            self.l2 = L.Linear(5, 2)
-
-    def forward(self, x):
-        return self.l2(F.relu(self.bn(self.l1(x))))
 
 
 def make_optimizer(name):
@@ -46,7 +32,7 @@ def batches(n, seed=0):
 
 def setup(name, seed=0):
     numpy.random.seed(seed)
-    model = device.place(L.Classifier(Net()))
+    model = device.place(L.Classifier(BatchNormMLP()))
     optimizer = make_optimizer(name)
     optimizer.setup(model)
     return model, optimizer
@@ -110,7 +96,7 @@ def test_averaged_swaps_the_average_in_and_the_live_values_back():
     for key, value in snapshot(model).items():
         numpy.testing.assert_array_equal(value, live[key], err_msg=key)
     # The averaged scores are those of a model holding the averages.
-    other = device.place(L.Classifier(Net()))
+    other = device.place(L.Classifier(BatchNormMLP()))
     for name, param in other.namedparams():
         param.array[...] = averaging._averages[name]
     other.predictor.bn.avg_mean[...] = \

@@ -19,25 +19,14 @@ import sys
 import chainerkfac  # NOQA: the NumPy-2 shims come before Chainer
 
 import chainer
-import chainer.functions as F
 import chainer.links as L
 import chainermn
 import numpy
 
+from tests.rank_checks import BatchNormMLP
+
 DECAY = 0.8
 STEPS = 6
-
-
-class Net(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(3, 5)
-            self.bn = L.BatchNormalization(5)
-            self.l2 = L.Linear(5, 2)
-
-    def forward(self, x):
-        return self.l2(F.relu(self.bn(self.l1(x))))
 
 
 def arrays(model):
@@ -58,7 +47,7 @@ def main(name):
         optimizer = chainerkfac.create_multi_node_optimizer(
             chainerkfac.optimizers.KFAC(lr=0.1), comm)
     numpy.random.seed(0)
-    model = L.Classifier(Net())
+    model = L.Classifier(BatchNormMLP())
     optimizer.setup(model)
     averaging = chainerkfac.PolyakAveraging(model, DECAY, comm)
     rng = numpy.random.RandomState(comm.rank)
