@@ -104,10 +104,12 @@ class PolyakAveraging(extension.Extension):
         """The averages of ``live``, made (zero) for arrays seen first."""
         for name, array in live.items():
             if name not in self._averages:
-                xp = backend.get_array_module(array)
-                self._averages[name] = xp.zeros(
-                    array.shape, numpy.promote_types(array.dtype,
-                                                     numpy.float32))
+                # A copy is on the array's device, which the current
+                # device (where xp.zeros would allocate) need not be.
+                average = array.astype(numpy.promote_types(
+                    array.dtype, numpy.float32))
+                average.fill(0)
+                self._averages[name] = average
         return self._averages
 
     def update(self):
