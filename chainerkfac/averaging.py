@@ -1,9 +1,9 @@
 """Polyak averaging: evaluate with an exponential average of the weights.
 
-Ba, Grosse & Martens (ICLR 2017, §6) evaluate every model with "an
-exponentially decayed Polyak averaging (Polyak & Juditsky 1992) ...
-applied to the model parameters (in addition to the means and the
-variances from batch normalization)". :class:`PolyakAveraging` keeps that
+Ba, Grosse & Martens (ICLR 2017, §6): "An exponentially decayed Polyak
+averaging (Polyak and Juditsky, 1992) is applied to the model parameters
+(in addition to the means and the variances from batch normalization) for
+all experiments". :class:`PolyakAveraging` keeps that
 average beside the live model, whatever optimizer trains it (K-FAC or
 MomentumSGD: it reads the weights after each step, nothing else);
 :meth:`PolyakAveraging.averaged` swaps it in for evaluation and
