@@ -14,11 +14,13 @@ base learning rate, MomentumSGD's best on compare_shapes.py (1.6 at batch
 256).
 
 The report gives, per optimizer and per model (``live``, ``avg 0.99``,
-...): the final validation accuracy and loss (mean over seeds) and the
-median epochs to the target, MomentumSGD's live final accuracy in these
-runs minus 0.5 point (compare_shapes.py's rule, over this script's runs),
-with the seeds that reach it. Runs are kept in
-``results/polyak_shapes.json`` as they end and not repeated.
+...): the final validation accuracy and loss and the accuracy after half
+the epochs (means over seeds), the median epochs to the target,
+MomentumSGD's live final accuracy in these runs minus 0.5 point
+(compare_shapes.py's rule, over this script's runs), with the seeds that
+reach it, and what folding the averages cost next to the training steps.
+Runs are kept in ``results/polyak_shapes.json`` as they end and not
+repeated.
 """
 import argparse
 import multiprocessing
@@ -78,6 +80,8 @@ def summarise(runs):
                     [c[-1]['val_accuracy'] for c in curves])),
                 'final_val_loss': float(numpy.mean(
                     [c[-1]['val_loss'] for c in curves])),
+                'mid_accuracy': float(numpy.mean(
+                    [c[len(c) // 2 - 1]['val_accuracy'] for c in curves])),
                 'epochs_to_target': compare_shapes._median(
                     [e for e, _, _ in reached]),
                 'bounded': 2 * sum(not ok for _, _, ok in reached)
@@ -98,17 +102,27 @@ def report(summary, runs):
         [r['optimizer'], r['model'], str(r['seeds']),
          '{:.3f}'.format(r['final_accuracy']),
          '{:.3f}'.format(r['final_val_loss']),
+         '{:.3f}'.format(r['mid_accuracy']),
          ('> ' if r['bounded'] else '') + '{:g}'.format(
              r['epochs_to_target']),
          ', '.join('-' if e is None else str(e)
                    for e in r['per_seed_epochs']), r['reached']]
         for r in summary['rows']],
         ['optimizer', 'model', 'seeds', 'final val accuracy',
-         'final val loss', 'median epochs to target',
+         'final val loss', 'val accuracy at mid-run',
+         'median epochs to target',
          'epochs to target per seed', 'seeds reaching']))
     lines.append('')
-    lines.append('`>`: half the seeds or more missed the target, and a miss '
-                 'counts as its whole run, so the median is a lower bound.')
+    lines.append('Mid-run: after epoch {}, mean over seeds. `>`: half the '
+                 'seeds or more missed the target, and a miss counts as its '
+                 'whole run, so the median is a lower bound.'.format(
+                     run['epochs'] // 2))
+    cost = numpy.mean([r['curve'][-1]['averaging_seconds']
+                       / r['curve'][-1]['seconds'] for r in runs])
+    lines.append('')
+    lines.append('Folding the {} averages after every step took {:.2%} of '
+                 'the training steps\' time (mean over runs).'.format(
+                     len(run['decays']), cost))
     return '\n'.join(lines)
 
 
