@@ -54,15 +54,36 @@ def model_curve(run, model):
             run['curve']]
 
 
-def summarise(runs):
-    """``{'target': ..., 'rows': [...]}``: per optimizer and model, the
-    final accuracy and loss (mean over seeds) and the median epochs to
-    the target."""
+def targets(runs):
+    """``{label: accuracy}``: MomentumSGD's live final accuracy in these
+    runs minus 0.5 point, and compare_shapes.py's target at the same batch
+    (its best learning rate over its seeds), when its results are there."""
     sgd = [r for r in runs if r['optimizer'] == 'sgd']
-    if not sgd:
+    found = {'these runs': float(numpy.mean(
+        [r['curve'][-1]['val_accuracy'] for r in sgd]) - 0.005)}
+    shapes_summary = (harness.read_json(compare_shapes.OUT) or {}).get(
+        'summary', {}).get(str(runs[0]['batch']))
+    if shapes_summary:
+        found['compare_shapes'] = shapes_summary['target']
+    return found
+
+
+def _to_target(curves, target):
+    reached = [compare_shapes._to_target({'curve': c}, target)
+               for c in curves]
+    return {'median': compare_shapes._median([e for e, _, _ in reached]),
+            'bounded': 2 * sum(not ok for _, _, ok in reached)
+            >= len(reached),
+            'per_seed': [e if ok else None for e, _, ok in reached]}
+
+
+def summarise(runs):
+    """``{'targets': ..., 'rows': [...]}``: per optimizer and model, the
+    final accuracy and loss, the accuracy after half the epochs (means
+    over seeds), and the epochs to each target (median and per seed)."""
+    if not any(r['optimizer'] == 'sgd' for r in runs):
         return None
-    target = numpy.mean([r['curve'][-1]['val_accuracy'] for r in sgd]) \
-        - 0.005
+    goals = targets(runs)
     rows = []
     for name in OPTIMIZERS:
         group = [r for r in runs if r['optimizer'] == name]
@@ -70,8 +91,6 @@ def summarise(runs):
             continue
         for model in ['live'] + [str(d) for d in group[0]['decays']]:
             curves = [model_curve(r, model) for r in group]
-            reached = [compare_shapes._to_target({'curve': c}, target)
-                       for c in curves]
             rows.append({
                 'optimizer': name,
                 'model': model if model == 'live' else 'avg ' + model,
@@ -82,41 +101,42 @@ def summarise(runs):
                     [c[-1]['val_loss'] for c in curves])),
                 'mid_accuracy': float(numpy.mean(
                     [c[len(c) // 2 - 1]['val_accuracy'] for c in curves])),
-                'epochs_to_target': compare_shapes._median(
-                    [e for e, _, _ in reached]),
-                'bounded': 2 * sum(not ok for _, _, ok in reached)
-                >= len(reached),
-                'reached': '{}/{}'.format(sum(ok for _, _, ok in reached),
-                                          len(reached)),
-                'per_seed_epochs': [e if ok else None
-                                    for e, _, ok in reached]})
-    return {'target': float(target), 'rows': rows}
+                'to_target': {label: _to_target(curves, goal)
+                              for label, goal in goals.items()}})
+    return {'targets': goals, 'rows': rows}
+
+
+def _epochs_text(entry):
+    return '{}{:g} ({})'.format(
+        '> ' if entry['bounded'] else '', entry['median'], ', '.join(
+            '-' if e is None else str(e) for e in entry['per_seed']))
 
 
 def report(summary, runs):
     run = runs[0]
+    goals = summary['targets']
     lines = ['### shapes, batch {batch}, base lr {base_lr:g}, {epochs} '
-             'epochs (target {t:.1%}: MomentumSGD\'s live final accuracy '
-             '- 0.5 point)\n'.format(t=summary['target'], **run)]
+             'epochs\n'.format(**run)]
     lines.append(harness.table([
         [r['optimizer'], r['model'], str(r['seeds']),
          '{:.3f}'.format(r['final_accuracy']),
          '{:.3f}'.format(r['final_val_loss']),
-         '{:.3f}'.format(r['mid_accuracy']),
-         ('> ' if r['bounded'] else '') + '{:g}'.format(
-             r['epochs_to_target']),
-         ', '.join('-' if e is None else str(e)
-                   for e in r['per_seed_epochs']), r['reached']]
+         '{:.3f}'.format(r['mid_accuracy'])]
+        + [_epochs_text(r['to_target'][label]) for label in goals]
         for r in summary['rows']],
         ['optimizer', 'model', 'seeds', 'final val accuracy',
-         'final val loss', 'val accuracy at mid-run',
-         'median epochs to target',
-         'epochs to target per seed', 'seeds reaching']))
+         'final val loss', 'val accuracy at mid-run']
+        + ['epochs to {:.1%} ({})'.format(goal, label)
+           for label, goal in goals.items()]))
     lines.append('')
-    lines.append('Mid-run: after epoch {}, mean over seeds. `>`: half the '
-                 'seeds or more missed the target, and a miss counts as its '
-                 'whole run, so the median is a lower bound.'.format(
-                     run['epochs'] // 2))
+    lines.append(
+        'Targets: MomentumSGD\'s final accuracy minus 0.5 point, of its '
+        'live model in these runs (mean over seeds) and, where given, of '
+        'compare_shapes.py at this batch (its best learning rate). Epochs '
+        'to a target: the median over seeds, then each seed\'s (`-`: '
+        'missed); `>`: half the seeds or more missed, and a miss counts as '
+        'its whole run, so the median is a lower bound. Mid-run: after '
+        'epoch {}, mean over seeds.'.format(run['epochs'] // 2))
     cost = numpy.mean([r['curve'][-1]['averaging_seconds']
                        / r['curve'][-1]['seconds'] for r in runs])
     lines.append('')
