@@ -181,11 +181,13 @@ def main(argv=None):
     parser.add_argument('--report', action='store_true')
     args = parser.parse_args(argv)
     decays = tuple(float(d) for d in args.decays.split(','))
-    runs = (harness.read_json(args.out) or {}).get('runs', [])
-    environment = harness.environment()
+    previous = harness.read_json(args.out) or {}
+    runs = previous.get('runs', [])
     if args.report:
-        print(write(runs, environment, args.out)[1])
+        # The environment is that of the invocation that ran the runs.
+        print(write(runs, previous.get('environment'), args.out)[1])
         return
+    environment = harness.environment()
     kl_clip = chainerkfac.optimizers.KFAC().kl_clip
     done = {_key(r) for r in runs}
     specs = [(decays, name, args.lr, None if name == 'sgd' else kl_clip,

@@ -822,8 +822,7 @@ def _polyak_section(polyak):
         'epochs; each run evaluates its live model and '
         '`chainerkfac.PolyakAveraging` averages of its parameters and '
         'BatchNorm statistics at each decay (per step) after every '
-        'epoch. The target is MomentumSGD\'s live final accuracy in these '
-        'runs minus 0.5 point.'.format(
+        'epoch.'.format(
             PREFIX, ','.join(str(d) for d in run['decays']),
             max(r['seed'] for r in polyak['runs']) + 1, polyak['recipe'],
             run['batch'], run['base_lr'], run['epochs']),
