@@ -822,7 +822,7 @@ def _polyak_section(polyak):
         'epochs; each run evaluates its live model and '
         '`chainerkfac.PolyakAveraging` averages of its parameters and '
         'BatchNorm statistics at each decay (per step) after every '
-        'epoch.'.format(
+        'epoch. The line below describes the last invocation.'.format(
             PREFIX, ','.join(str(d) for d in run['decays']),
             max(r['seed'] for r in polyak['runs']) + 1, polyak['recipe'],
             run['batch'], run['base_lr'], run['epochs']),
