@@ -51,6 +51,7 @@ import math
 import multiprocessing
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -128,10 +129,13 @@ def evaluate(model, x, y):
     return correct / len(x), loss / len(x)
 
 
-def train(spec):
+def train(spec, decays=()):
     """One run: ``spec`` = (optimizer, base lr, K-FAC's ``kl_clip`` (None
     for MomentumSGD), batch, seed, epochs, warm-up epochs). Returns its
-    per-epoch curve."""
+    per-epoch curve. With Polyak averaging ``decays``
+    (:class:`chainerkfac.PolyakAveraging`, one average per decay), each
+    epoch also evaluates the model under each average: the curve's
+    ``averaged`` maps ``str(decay)`` to its accuracy and loss."""
     name, base_lr, kl_clip, batch, seed, epochs, warmup_epochs = spec
     harness.limit_threads(1)
     harness.keep_freed_memory()
@@ -147,10 +151,12 @@ def train(spec):
                                                 kl_clip=kl_clip, **options)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
+    averages = {str(d): chainerkfac.PolyakAveraging(model, d)
+                for d in decays}
     steps = len(x_tr) // batch
     total, warmup = steps * epochs, steps * warmup_epochs
     rng = numpy.random.RandomState(seed)
-    curve, wall, it = [], 0.0, 0
+    curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
         for k in range(steps):
@@ -163,10 +169,21 @@ def train(spec):
                                                      x_tr[idx], y_tr[idx])
             wall += seconds
             it += 1
+            t0 = time.perf_counter()
+            for averaging in averages.values():
+                averaging.update()
+            averaging_wall += time.perf_counter() - t0
         accuracy, val_loss = evaluate(model, x_val, y_val)
         curve.append({'epoch': epoch, 'seconds': wall,
                       'val_accuracy': accuracy, 'val_loss': val_loss,
                       'train_loss': loss_value})
+        for decay, averaging in averages.items():
+            with averaging.averaged():
+                accuracy, val_loss = evaluate(model, x_val, y_val)
+            curve[-1].setdefault('averaged', {})[decay] = {
+                'val_accuracy': accuracy, 'val_loss': val_loss}
+        if averages:
+            curve[-1]['averaging_seconds'] = averaging_wall
         if not numpy.isfinite(loss_value):
             break
     return {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,

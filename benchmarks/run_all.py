@@ -684,6 +684,7 @@ def write_doc(full):
                 lines += ['#### `{}`: {}'.format(name, task), '']
                 lines += _tta_task(task, entry)
     lines += _shapes_section(shapes)
+    lines += _polyak_section(load('polyak_shapes'))
     lines += _float16_section(load('float16'))
     if dist:
         lines += ['## Distributed', '',
@@ -806,6 +807,26 @@ def _shapes_section(shapes):
             recipe['warmup_epochs']),
         '', _env_line(shapes), '', shapes['table'], '',
         '![shapes](benchmarks_figures/{})'.format(png), '']
+
+
+def _polyak_section(polyak):
+    """The live model against its Polyak averages (``polyak_shapes.py``)."""
+    if not polyak or not polyak.get('table'):
+        return []
+    run = polyak['runs'][0]
+    return [
+        '## Polyak averaging on the harder task', '',
+        'Command: `{}polyak_shapes.py --decays {} --seeds {} --jobs 2`. '
+        'The recipe of the section above ({}), at batch {}, base learning '
+        'rate {:g} for both optimizers (MomentumSGD\'s best there), {} '
+        'epochs; each run evaluates its live model and '
+        '`chainerkfac.PolyakAveraging` averages of its parameters and '
+        'BatchNorm statistics at each decay (per step) after every '
+        'epoch. The line below describes the last invocation.'.format(
+            PREFIX, ','.join(str(d) for d in run['decays']),
+            max(r['seed'] for r in polyak['runs']) + 1, polyak['recipe'],
+            run['batch'], run['base_lr'], run['epochs']),
+        '', _env_line(polyak), '', polyak['table'], '']
 
 
 def _float16_section(f16):

@@ -1,5 +1,6 @@
-"""What the rank scripts of tests/mpi_scripts share: a tiny MLP and the
-check that a call raises the expected error on this rank."""
+"""What the rank scripts of tests/mpi_scripts share: a tiny MLP (and one
+with BatchNorm) and the check that a call raises the expected error on
+this rank."""
 import chainerkfac  # NOQA: the NumPy-2 shims come before Chainer
 
 import chainer
@@ -21,6 +22,21 @@ class MLP(chainer.Chain):
 
     def forward(self, x):
         return self.l2(F.tanh(self.l1(x)))
+
+
+class BatchNormMLP(chainer.Chain):
+    """Linear, BatchNorm, Linear (3 -> 5 -> 2): parameters and running
+    statistics."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 5)
+            self.bn = L.BatchNormalization(5)
+            self.l2 = L.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l2(F.relu(self.bn(self.l1(x))))
 
 
 def expect_error(comm, error, call, *fragments):

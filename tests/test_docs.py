@@ -53,6 +53,7 @@ PUBLIC_MODULES = [
     'chainerkfac.cpu_parallel',
     'chainerkfac.distributed',
     'chainerkfac.hooks',
+    'chainerkfac.averaging',
 ]
 
 
