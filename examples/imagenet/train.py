@@ -253,11 +253,11 @@ def augmentations(config):
 
 def labelled(ylabel, note):
     """A ``PlotReport`` postprocess that labels the y axis and, if
-    ``note``, says under the plot why the curves sit where they do."""
+    ``note``, says above the plot why the curves sit where they do."""
     def postprocess(figure, axes, summary):
         axes.set_ylabel(ylabel)
         if note:
-            figure.text(0.01, 0.01, note, fontsize='small')
+            axes.set_title(note, fontsize='small')
     return postprocess
 
 
