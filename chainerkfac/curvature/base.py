@@ -454,6 +454,7 @@ class FisherBlock:
                                           arrays.get(key))
             if value is not None:
                 loaded[key] = value
+        # The current form's damping keeps the key snapshots always had.
         damping_key = 'damping_used' if prefix == 'inverse_' \
             else prefix + 'damping'
         used = serializer(damping_key, -1.0 if form is None

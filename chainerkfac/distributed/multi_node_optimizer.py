@@ -128,17 +128,16 @@ class HybridParallelStages(stages.Stages):
     # -- resuming -----------------------------------------------------------
 
     def redistribute(self, optimizer, resume):
-        """Every block's curvature, loaded by whichever process read the
-        file of its old owner, moves to its owner in this run's placement
-        (on as many processes, usually where it is already; the placement
-        of a lazily initialised layer that got its shape after the
-        snapshot's placement may differ)
-        (one object message per moved block, in block order on every
-        rank); the processes that loaded it and do not own it drop it, and
-        the owner of a block this placement splits holds its inverse in
-        the kind the split needs (:meth:`Split.adopt
-        <chainerkfac.distributed.split.Split.adopt>`). Checks first that
-        the processes together loaded every file."""
+        """Checks that the processes together loaded every file, then
+        moves every block's curvature from the process that loaded it to
+        its owner in this run's placement, one object message per moved
+        block, in block order on every rank. On as many processes it is
+        usually where it was saved; a lazily initialised layer that got its
+        shape after the snapshot's placement can move blocks. Processes
+        that loaded a block they do not own drop it, and the owner of a
+        block this placement splits holds its inverse in the kind the
+        split needs (:meth:`Split.adopt
+        <chainerkfac.distributed.split.Split.adopt>`)."""
         if self.assignment is None:
             self._assign(optimizer)
         blocks = optimizer.blocks

@@ -531,9 +531,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         # manual loop may pass without loss_scaling()); the decay term must
         # carry it too, and the guard divides it out. (A lazily initialised
         # link not yet called has no gradient to say it.)
-        shaped = [block for block in self.blocks if block.shaped()]
-        scale = shaped[0].gradient_loss_scale() if shaped \
-            else self._loss_scale
+        shaped = next((b for b in self.blocks if b.shaped()), None)
+        scale = self._loss_scale if shaped is None \
+            else shaped.gradient_loss_scale()
         with self.timing('precondition'):
             terms = self._stages.precondition(
                 self, hp.weight_decay * (scale or 1))

@@ -94,22 +94,18 @@ def conv_factors(value, spatial_subsample):
     return value
 
 
-def positive_int(value, what):
-    """``value`` if it is an int >= 1."""
+def positive_int(value, what, least=1):
+    """``value`` if it is an int >= ``least``."""
     if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-            or value < 1):
-        raise ValueError('KFAC {} must be an int >= 1, got {!r}'
-                         .format(what, value))
+            or value < least):
+        raise ValueError('KFAC {} must be an int >= {}, got {!r}'
+                         .format(what, least, value))
     return value
 
 
 def count(value, what):
     """``value`` if it is an int >= 0."""
-    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-            or value < 0):
-        raise ValueError('KFAC {} must be an int >= 0, got {!r}'
-                         .format(what, value))
-    return value
+    return positive_int(value, what, least=0)
 
 
 def factor_intervals(value):

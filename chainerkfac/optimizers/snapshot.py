@@ -132,19 +132,9 @@ def _check_layers(saved, mine, blocks):
                         block.name, block.describe())))
 
 
-def files(stem, rank, size):
-    """The files of the snapshot ``stem`` (``STEM.rank<R>[.npz]``, or
-    ``STEM[.npz]`` from one process; ``stem`` may name any of its files)
-    that process ``rank`` of ``size`` loads, the first whole and the others
-    into its optimizer only.
-
-    On as many processes as wrote it, its own file. On another number, the
-    files of the ranks ``r`` with ``r % size == rank``, so that the
-    processes load every file once; a process left without one (more
-    processes than files) loads file ``rank % saved_size`` for the state
-    every process shares (the model, the momentum), and no curvature of
-    its own. Raises ``ValueError`` naming the stem when files are missing.
-    """
+def _rank_files(stem):
+    """``{rank: path}`` of every file of the snapshot ``stem`` (its
+    ``.rank<R>`` and ``.npz`` suffixes stripped), checked complete."""
     stem = re.sub(r'(\.rank\d+)?(\.npz)?$', '', stem)
     pattern = re.compile(re.escape(stem) + r'\.rank(\d+)(\.npz)?$')
     found = {}
@@ -164,6 +154,27 @@ def files(stem, rank, size):
     if missing:
         raise ValueError('snapshot {} lacks the files of rank(s) {}'.format(
             stem, ', '.join(map(str, missing))))
+    return found
+
+
+def files(stem, rank, size):
+    """The files of the snapshot ``stem`` (``STEM.rank<R>[.npz]``, or
+    ``STEM[.npz]`` from one process; ``stem`` may name any of its files)
+    that process ``rank`` of ``size`` loads, the first whole and the others
+    into its optimizer only.
+
+    On as many processes as wrote it, its own file. On another number, the
+    files of the ranks ``r`` with ``r % size == rank``, so that the
+    processes load every file once; a process left without one (more
+    processes than files) loads file ``rank % saved_size`` for the state
+    every process shares (the model, the momentum), and no curvature of
+    its own. Raises ``ValueError`` naming the stem when files are missing.
+    """
+    return _files_of(_rank_files(stem), rank, size)
+
+
+def _files_of(found, rank, size):
+    saved_size = len(found)
     if saved_size == size:
         return [found[rank]]
     mine = [found[r] for r in range(saved_size) if r % size == rank]
@@ -181,9 +192,9 @@ def load(stem, target, optimizer, comm, path=''):
     to a shard of another size, is left out: each process starts its
     epoch over its new shard (the epoch count loads). Returns whether the
     number of processes changed."""
-    paths = files(stem, comm.rank, comm.size)
-    # One process loads every file: their number is the snapshot's.
-    resized = len(files(stem, 0, 1)) != comm.size
+    found = _rank_files(stem)
+    paths = _files_of(found, comm.rank, comm.size)
+    resized = len(found) != comm.size
     iterator = path + 'updater/iterator:main/'
     serializers.load_npz(paths[0], target, ignore_names=[
         iterator + 'order', iterator + 'current_position'] if resized
