@@ -15,6 +15,14 @@ as an ``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
   for the block's shape and how long the inverse is reused
   (:func:`explicit_inverse_pays`).
 
+* The doubly-factored approximation ``A ≈ K ⊗ Ψ`` of a layer with a
+  large feature-map input (Ba, Grosse & Martens 2017 §4-4.1): the same
+  damping shared by three factors, ``π_i ε^(1/3)`` each
+  (:func:`factored_damping`), and the bias in a block of its own damped
+  by ``ε`` (:func:`doubly_factored_product`)::
+
+      V_W = G_d⁻¹ ×₁ Ψ_d⁻¹ ×₂ K_d⁻¹ ×₃ ∇W,   v_b = (G + ε I)⁻¹ ∇b
+
 * Exact damping in the eigenbasis (``inverse='eigen'``, KAISA)::
 
       A = Q_A diag(λ_A) Q_Aᵀ,  G = Q_G diag(λ_G) Q_Gᵀ
@@ -75,21 +83,36 @@ def batch_norm_damping(hyperparam):
     return hyperparam.bn_damping_multiplier * hyperparam.damping
 
 
-def factored_damping(A, G, damping):
-    """Returns ``(π √ε, √ε / π)``, the damping added to ``A`` and ``G``.
+def factored_damping(factors, damping):
+    """Returns the damping added to each of the ``k`` Kronecker
+    ``factors``: ``π_i ε^(1/k)``, with ``Π π_i = 1``.
 
-    π balances the two factors by their mean eigenvalue. When a trace is zero
-    or not finite (e.g. all-zero activations) π falls back to 1, so the
-    damping still makes both factors positive definite.
+    Each ``π_i`` rescales the factor's share of ``ε`` by the geometric
+    mean of the ratios of its mean eigenvalue ``m_i = tr(F_i) / dim F_i``
+    to the others' (Ba, Grosse & Martens 2017 §4.1, Eq. 12, which
+    minimises a bound on the error's nuclear norm; Martens & Grosse 2015
+    §6.3 for ``k = 2``)::
+
+        π_i = (m_i^k / Π_j m_j)^(1/k)       (k = 2: π_A = sqrt(m_A / m_G))
+
+    When a trace is zero or not finite (e.g. all-zero activations) every
+    π falls back to 1, so the damping still makes each factor positive
+    definite.
     """
-    xp = backend.get_array_module(A)
-    mean_a = float(xp.trace(A)) / A.shape[0]
-    mean_g = float(xp.trace(G)) / G.shape[0]
-    pi = 1.0
-    if mean_a > 0 and mean_g > 0 and math.isfinite(mean_a / mean_g):
-        pi = math.sqrt(mean_a / mean_g)
-    root = math.sqrt(damping)
-    return pi * root, root / pi
+    means = []
+    for F in factors:
+        xp = backend.get_array_module(F)
+        means.append(float(xp.trace(F)) / F.shape[0])
+    k = len(means)
+    root = damping ** (1 / k)
+    if not all(m > 0 and math.isfinite(m) for m in means):
+        return (root,) * k
+    # In logarithms: the product of k means can leave float range.
+    log_mean = sum(math.log(m) for m in means) / k
+    pis = [math.exp(math.log(m) - log_mean) for m in means]
+    if not all(math.isfinite(pi) and pi > 0 for pi in pis):
+        return (root,) * k
+    return tuple(pi * root for pi in pis)
 
 
 def add_diagonal(M, value):
@@ -275,6 +298,19 @@ def explicit_inverse_pays(dim_A, dim_G, reuse):
 def kronecker_precondition(grad, A_inv, G_inv):
     """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` for the inverses of the damped factors."""
     return G_inv @ grad @ A_inv
+
+
+def doubly_factored_product(grad, K, Psi, G):
+    """``(K ⊗ Ψ ⊗ G) vec(∇)``, as the ``(out, C T)`` matrix of ``∇``: the
+    weight gradient ``∇`` of shape ``(out, C T)`` (input channel ``c``,
+    position ``t`` at column ``c T + t``) taken as a tensor ``(out, C, T)``
+    and multiplied along each axis by one symmetric factor, ``G`` (out),
+    ``Ψ`` (C) and ``K`` (T) (Ba, Grosse & Martens 2017 §4, Eq. 9, with
+    the factors or their damped inverses).
+    """
+    out, C, T = G.shape[0], Psi.shape[0], K.shape[0]
+    V = (G @ grad).reshape(out * C, T) @ K
+    return (Psi @ V.reshape(out, C, T)).reshape(out, C * T)
 
 
 def _cholesky_solve(L, B):

@@ -37,10 +37,12 @@ class CNN(chainer.Chain):
         return self.fc(F.relu(self.bn(self.conv(x))))
 
 
-def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0):
+def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0,
+                   doubly_factored_from=None):
     return chainerkfac.optimizers.KFAC(
         lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
         step_rule=step_rule, kl_clip=kl_clip, inverse_delay=inverse_delay,
+        doubly_factored_from=doubly_factored_from,
         factor_interval={'A': schedules.Adaptive(threshold=0.2),
                          'G': lambda t: 1 if t < 4 else 2},
         inverse_interval=3)
@@ -58,6 +60,7 @@ def main():
     parser.add_argument('--distributed', action='store_true')
     parser.add_argument('--mlp', action='store_true')
     parser.add_argument('--inverse-delay', type=int, default=0)
+    parser.add_argument('--doubly-factored-from', type=int, default=None)
     parser.add_argument('--double', action='store_true',
                         help='a float64 model and data')
     # The fixtures of older snapshots were written by the natural step
@@ -70,7 +73,7 @@ def main():
     with chainer.using_config('dtype', dtype):
         model = split_model.SplitMLP(36) if args.mlp else CNN()
     optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip,
-                               args.inverse_delay)
+                               args.inverse_delay, args.doubly_factored_from)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')

@@ -13,7 +13,7 @@ from tests.test_update import MLP, data, loss_fn
 
 def dense_apply(A, G, damping, grad):
     """``G_d⁻¹ ∇ A_d⁻¹`` with factored Tikhonov damping, densely."""
-    damping_A, damping_G = linalg.factored_damping(A, G, damping)
+    damping_A, damping_G = linalg.factored_damping((A, G), damping)
     return (numpy.linalg.inv(G + damping_G * numpy.eye(len(G))) @ grad
             @ numpy.linalg.inv(A + damping_A * numpy.eye(len(A))))
 

@@ -37,15 +37,21 @@ def assert_same_parameters(got, expected, what):
             err_msg='{}, {}'.format(what, name))
 
 
-@pytest.mark.parametrize('inverse,rule,conv_factors', [
-    ('cholesky', 'graft', 'expanded'), ('eigen', 'graft', 'expanded'),
-    ('cholesky', 'natural', 'expanded'),
-    ('eigen', 'relative_kl', 'expanded'),
-    ('cholesky', 'graft', 'reduced')])
+@pytest.mark.parametrize('inverse,rule,conv_factors,extra', [
+    ('cholesky', 'graft', 'expanded', []),
+    ('eigen', 'graft', 'expanded', []),
+    ('cholesky', 'natural', 'expanded', []),
+    ('eigen', 'relative_kl', 'expanded', []),
+    ('cholesky', 'graft', 'reduced', []),
+    # fc1 doubly factored (K ⊗ Ψ ⊗ G, Ba et al. 2017 §4; explicit
+    # inverses under either inverse option), with the step rule that
+    # multiplies by its factors too (which needs blocks left whole).
+    ('eigen', 'relative_kl', 'expanded',
+     ['--doubly-factored-from', '16'])])
 def test_distributed_equals_single_process(tmp_path, inverse, rule,
-                                           conv_factors):
+                                           conv_factors, extra):
     options = ['--inverse', inverse, '--step-rule', rule,
-               '--conv-factors', conv_factors]
+               '--conv-factors', conv_factors] + extra
     expected = single_process(tmp_path, options)
     # The update-norm guard scales most steps, identically on every rank.
     assert (expected['update_scale'] < 1).sum() >= 4, expected['update_scale']

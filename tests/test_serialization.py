@@ -59,18 +59,23 @@ def assert_identical(straight, resumed):
     ('cholesky', []), ('eigen', []),
     # Inverses refreshed at steps 4 and 7 (inverse_interval 3) take effect
     # 2 steps later: the snapshot after step 5 holds one on its way.
-    ('cholesky', ['--inverse-delay', '2'])])
+    ('cholesky', ['--inverse-delay', '2']),
+    # fc's 4 x 6 x 6 input doubly factored: K, Psi and G, and its form.
+    ('cholesky', ['--doubly-factored-from', '144'])])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     k = 5
     straight = run(tmp_path, 'straight', 0, 2 * k, inverse, extra=extra)
     half = run(tmp_path, 'half', 0, k, inverse, extra=extra)
-    if extra:
+    if '--inverse-delay' in extra:
         assert numpy.load(half + '.npz')['optimizer/kfac/fc/pending_step'] \
             == 6
     resumed = run(tmp_path, 'resumed', k, 2 * k, inverse, resume=half,
                   extra=extra)
     keys = assert_identical(straight + '.npz', resumed + '.npz')
-    assert any('kfac/fc/A' in key for key in keys)
+    factors = ('Psi', 'inverse_bias_inv') if '--doubly-factored-from' in \
+        extra else ('A',)
+    for factor in factors:
+        assert 'optimizer/kfac/fc/' + factor in keys, factor
 
 
 def test_distributed_resume_equals_uninterrupted_run(tmp_path):

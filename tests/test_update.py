@@ -399,7 +399,7 @@ def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(
     assert f == shared and layout.shared
     assert sorted(block.form.arrays) == sorted([f + '_chol', other + '_inv'])
     damping = dict(zip('AG', linalg.factored_damping(
-        block.factor['A'], block.factor['G'], 1e-2)))
+        (block.factor['A'], block.factor['G']), 1e-2)))
     numpy.testing.assert_allclose(
         host(damped), host(linalg.add_diagonal(block.factor[f], damping[f])))
     chol = split.cholesky_alone(block, layout)
@@ -422,8 +422,8 @@ def test_cholesky_form_leaves_the_larger_factor_to_its_ranks(
     numpy.testing.assert_allclose(
         host(block.form.arrays[f + '_chol']),
         host(linalg.damped_cholesky(block.factor[f], dict(zip(
-            'AG', linalg.factored_damping(block.factor['A'],
-                                          block.factor['G'], 2e-2)))[f])))
+            'AG', linalg.factored_damping((block.factor['A'],
+                                           block.factor['G']), 2e-2)))[f])))
 
 
 def test_nan_gradient_raises_by_default():

@@ -38,7 +38,8 @@ class NonFiniteError(FloatingPointError):
 BlockOptions = collections.namedtuple(
     'BlockOptions',
     ['factor_intervals', 'inverse_interval', 'inverse', 'bn_fisher',
-     'spatial_subsample', 'batch_subsample', 'conv_factors'])
+     'spatial_subsample', 'batch_subsample', 'conv_factors',
+     'doubly_factored_from'])
 
 
 class FisherBlock:
@@ -54,9 +55,12 @@ class FisherBlock:
             damped inverse, or ``None`` before the first.
     """
 
-    #: Names of the stored statistics; ``'A'`` comes from the forward pass,
-    #: every other factor from the backward pass.
+    #: Names of the stored statistics.
     factors = ()
+    #: The factors that come from the forward pass (refreshed on the
+    #: ``factor_intervals['A']`` schedule); the others come from the
+    #: backward pass (``factor_intervals['G']``).
+    forward_factors = ('A',)
 
     def __init__(self, link, name, options):
         self.link = link
@@ -64,7 +68,8 @@ class FisherBlock:
         self.family = self.form_family(options)
         self.form = None
         self.schedules = {f: schedules.RefreshSchedule(
-            options.factor_intervals['A' if f == 'A' else 'G'])
+            options.factor_intervals[
+                'A' if f in self.forward_factors else 'G'])
             for f in self.factors}
         self.inverse_schedule = schedules.RefreshSchedule(
             options.inverse_interval)
@@ -79,10 +84,10 @@ class FisherBlock:
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
 
-    @classmethod
-    def form_family(cls, options):
+    def form_family(self, options):
         """The :class:`~chainerkfac.curvature.forms.Family` the
-        :class:`BlockOptions` give this kind of block."""
+        :class:`BlockOptions` give this block (called once, by
+        ``__init__``, once :attr:`link` is set)."""
         raise NotImplementedError
 
     def fix_form(self, build):
@@ -99,6 +104,13 @@ class FisherBlock:
         """Why ``link`` cannot get this block, or ``None`` if it can."""
         return None
 
+    @classmethod
+    def for_link(cls, link, options):
+        """The block class that serves ``link`` under ``options``: this
+        one, or a variant a block type chooses by the link's shape (a
+        Linear with a large input, :mod:`chainerkfac.curvature.linear`)."""
+        return cls
+
     def params(self):
         """The parameters this block preconditions, in gradient order."""
         raise NotImplementedError
@@ -109,6 +121,12 @@ class FisherBlock:
         until then the block holds no curvature, its gradient is empty
         and it costs nothing."""
         return all(p.array is not None for p in self.params())
+
+    def shapes_known(self):
+        """Whether :meth:`describe` gives the shapes of the block's state
+        (what a snapshot's header is checked against): once
+        :meth:`shaped`, unless the block takes more from its first input."""
+        return self.shaped()
 
     # -- statistics (called by the link hooks) ---------------------------
 
@@ -192,7 +210,7 @@ class FisherBlock:
                 # In the block's sum, which the next statistics overwrite.
                 mean = self._sum[f]
                 mean /= self._count[f]
-                if f != 'A' and loss_scale is not None:
+                if f not in self.forward_factors and loss_scale is not None:
                     mean /= loss_scale * loss_scale
                 stats[f] = mean
         self.discard_statistics()

@@ -34,8 +34,7 @@ class BatchNormalizationBlock(base.FisherBlock):
         super().__init__(link, name, options)
         self.bn_fisher = options.bn_fisher
 
-    @classmethod
-    def form_family(cls, options):
+    def form_family(self, options):
         return forms.BATCH_NORM[options.bn_fisher, options.inverse]
 
     def params(self):

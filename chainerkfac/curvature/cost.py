@@ -11,7 +11,7 @@ from chainerkfac import linalg
 
 
 #: Block kinds and the number of dimensions each takes.
-KINDS = {'kronecker': 2, 'diagonal': 1, 'full': 1}
+KINDS = {'kronecker': 2, 'doubly_factored': 3, 'diagonal': 1, 'full': 1}
 
 #: How much longer an operation of LAPACK's ``potrf``/``potri`` takes than
 #: one of a matrix product, as :meth:`BlockCost.shard_costs` charges the
@@ -44,8 +44,10 @@ class BlockCost:
             block (paper §5.4).
         dims (tuple of int): ``(d_A, d_G)`` for ``'kronecker'``, the sizes of
             the input-side factor A (including the bias coordinate) and of
-            the output-side factor G; ``(C,)`` (the number of channels) for
-            BatchNormalization.
+            the output-side factor G; ``(d_K, d_Ψ, d_G)`` for
+            ``'doubly_factored'`` (a Linear's doubly-factored block ``K ⊗ Ψ
+            ⊗ G``, Ba et al. 2017 §4: positions, channels, outputs);
+            ``(C,)`` (the number of channels) for BatchNormalization.
 
     Costs are floating-point operation counts:
 
@@ -54,6 +56,10 @@ class BlockCost:
       ``G⁻¹ ∇W A⁻¹`` is two matrix products, ``2 d_G d_A (d_A + d_G)``.
       A block whose inverse serves few steps keeps Cholesky factors instead
       (:meth:`cost`).
+    * ``'doubly_factored'``: three factors and the bias's ``d_G x d_G``
+      block to invert, ``d_K³ + d_Ψ³ + 2 d_G³``; preconditioning multiplies
+      the ``d_G x d_Ψ x d_K`` gradient along each axis, ``2 d_K d_Ψ d_G
+      (d_K + d_Ψ + d_G)``, and the bias, ``2 d_G²``.
     * ``'full'``: a dense ``2C x 2C`` Fisher of (γ, β): ``(2C)³`` to invert,
       ``2 (2C)²`` for the matrix-vector product.
     * ``'diagonal'``: ``2C`` reciprocals and ``2C`` products.
@@ -82,6 +88,9 @@ class BlockCost:
         if self.kind == 'kronecker':
             d_a, d_g = self.dims
             return d_a ** 3 + d_g ** 3
+        if self.kind == 'doubly_factored':
+            d_k, d_psi, d_g = self.dims
+            return d_k ** 3 + d_psi ** 3 + 2 * d_g ** 3
         c2 = 2 * self.dims[0]
         return c2 ** 3 if self.kind == 'full' else c2
 
@@ -91,6 +100,9 @@ class BlockCost:
         if self.kind == 'kronecker':
             d_a, d_g = self.dims
             return 2 * d_g * d_a * (d_a + d_g)
+        if self.kind == 'doubly_factored':
+            d_k, d_psi, d_g = self.dims
+            return 2 * d_k * d_psi * d_g * (d_k + d_psi + d_g) + 2 * d_g ** 2
         c2 = 2 * self.dims[0]
         return 2 * c2 ** 2 if self.kind == 'full' else c2
 

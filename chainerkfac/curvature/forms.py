@@ -23,6 +23,9 @@ which one it applies. Kronecker blocks ``A ⊗ G`` (Martens & Grosse 2015
 * :class:`KroneckerEigen`: eigenbases with exact damping ``λ_G λ_Aᵀ + ε``
   (KAISA).
 
+Doubly-factored blocks ``K ⊗ Ψ ⊗ G`` of a layer with a large feature-map
+input (Ba, Grosse & Martens 2017 §4): :class:`DoublyFactoredInverses`.
+
 Single matrices (BatchNorm blocks, Osawa et al. §5.4): :class:`Diagonal`
 (element-wise), :class:`DenseInverse`, :class:`DenseEigen`.
 
@@ -30,6 +33,8 @@ Each form's arrays are stored in snapshots under its :attr:`~Form.keys`;
 :func:`restore` rebuilds a form from the arrays a snapshot holds.
 """
 import functools
+
+from chainer import backend
 
 from chainerkfac import linalg
 
@@ -67,7 +72,7 @@ class Form:
 
 def _factored(A, G, damping, make):
     """``make(A, π √ε), make(G, √ε / π)``: factored Tikhonov damping."""
-    damping_A, damping_G = linalg.factored_damping(A, G, damping)
+    damping_A, damping_G = linalg.factored_damping((A, G), damping)
     return make(A, damping_A), make(G, damping_G)
 
 
@@ -165,7 +170,7 @@ class KroneckerMixed(_Sliceable):
         whoever computes its Cholesky factor (:meth:`with_cholesky`)."""
         chol = linalg.damped_cholesky if factorize else linalg.damped_factor
         inv = linalg.damped_inverse
-        damping_A, damping_G = linalg.factored_damping(A, G, damping)
+        damping_A, damping_G = linalg.factored_damping((A, G), damping)
         if cholesky == 'A':
             sides = chol(A, damping_A), inv(G, damping_G)
         else:
@@ -232,6 +237,42 @@ def tikhonov_kind(dim_A, dim_G, reuse):
     if linalg.explicit_inverse_pays(dim_A, dim_G, reuse):
         return KroneckerInverses
     return KroneckerCholesky
+
+
+# -- doubly-factored blocks: three factors (K, Ψ, G) and the bias's own ----
+
+class DoublyFactoredInverses(Form):
+    """``V_W = G_d⁻¹ ×₁ Ψ_d⁻¹ ×₂ K_d⁻¹ ×₃ ∇W`` and ``v_b = (G + ε I)⁻¹
+    ∇b`` (Ba, Grosse & Martens 2017 §4, Eq. 9, with the factored damping
+    of §4.1, Eq. 12): the gradient ``[∇W | ∇b]`` is an ``(out, C T)``
+    matrix, with one more column for a bias (whose full block ``G``, the
+    Fisher of the bias alone, takes the whole damping ``ε``)."""
+
+    keys = ('K_inv', 'Psi_inv', 'G_inv', 'bias_inv')
+
+    @classmethod
+    def matches(cls, keys):
+        return set(keys) in (set(cls.keys), set(cls.keys[:3]))
+
+    @classmethod
+    def refreshed(cls, K, Psi, G, damping, bias=True):
+        dampings = linalg.factored_damping((K, Psi, G), damping)
+        arrays = dict(zip(cls.keys, [
+            linalg.damped_inverse(F, d)
+            for F, d in zip((K, Psi, G), dampings)]))
+        if bias:
+            arrays['bias_inv'] = linalg.damped_inverse(G, damping)
+        return cls(arrays, damping)
+
+    def apply(self, grad):
+        s = self.arrays
+        weights = grad.shape[1] - ('bias_inv' in s)
+        V = linalg.doubly_factored_product(
+            grad[:, :weights], s['K_inv'], s['Psi_inv'], s['G_inv'])
+        if 'bias_inv' not in s:
+            return V
+        xp = backend.get_array_module(grad)
+        return xp.concatenate([V, s['bias_inv'] @ grad[:, weights:]], axis=1)
 
 
 # -- single matrices: a BatchNorm block's (γ, β) ----------------------------
@@ -320,6 +361,20 @@ KRONECKER = {
     'eigen': Family((KroneckerEigen,), _single(KroneckerEigen),
                     linalg.layer_damping),
 }
+
+
+def _doubly_factored(factors, damping, reuse, bias):
+    return DoublyFactoredInverses.refreshed(*factors, damping, bias=bias)
+
+
+def doubly_factored(bias):
+    """The family of a doubly-factored block, with or without a bias: its
+    factors are small by construction, so explicit inverses serve every
+    reuse (under either ``inverse`` option: the three π's are the point
+    of Ba et al.'s §4.1)."""
+    return Family((DoublyFactoredInverses,),
+                  functools.partial(_doubly_factored, bias=bias),
+                  linalg.layer_damping)
 
 
 def _batch_norm(kind):

@@ -82,8 +82,7 @@ class KroneckerBlock(base.FisherBlock):
         self.batch_subsample = options.batch_subsample
         self.conv_factors = options.conv_factors
 
-    @classmethod
-    def form_family(cls, options):
+    def form_family(self, options):
         return forms.KRONECKER[options.inverse]
 
     def _kept(self, batch):

@@ -45,6 +45,7 @@ def blocks_of(model, options):
                 unsupported.append((name, 'no Fisher block for {}'.format(
                     type(child).__name__)))
             continue
+        block_class = block_class.for_link(child, options)
         reason = block_class.unsupported_reason(child)
         if reason is not None:
             unsupported.append((name, reason))

@@ -183,7 +183,7 @@ def cholesky_alone(block, split):
     a factor that a shared factorization found not positive definite."""
     A, G = block.factor['A'], block.factor['G']
     damping = dict(zip('AG', linalg.factored_damping(
-        A, G, block.form.damping)))
+        (A, G), block.form.damping)))
     return linalg.damped_cholesky(block.factor[split.cholesky],
                                   damping[split.cholesky])
 

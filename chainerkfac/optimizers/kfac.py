@@ -156,6 +156,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             :mod:`chainerkfac.curvature.kronecker`), which costs ``T``
             times fewer operations. ``'reduced'`` needs
             ``spatial_subsample=1``.
+        doubly_factored_from (int or None): A Linear whose input is at
+            least this wide (known at setup) and arrives as a feature map
+            (``(n, C, H, W)``, which the link flattens) gets the
+            doubly-factored block ``K ⊗ Ψ ⊗ G`` (Ba et al. 2017 §4;
+            :class:`~chainerkfac.curvature.linear.DoublyFactoredBlock`):
+            factors of ``T x T`` (positions) and ``C x C`` (channels)
+            instead of one ``C T x C T``, its bias in a block of its own.
+            ``None``: every Linear gets ``A ⊗ G``.
         kl_clip (float or None): The update-norm guard's bound κ (Ba et al.
             2017 §5, :mod:`chainerkfac.update_norm`): every block's step
             ``ρ_b F̂_b⁻¹∇_b`` is scaled by ``ν = min(1, sqrt(κ / q))``, with
@@ -207,7 +215,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
                  step_rule='graft', conv_factors='expanded',
-                 independent_processes=False, inverse_delay=0, **unknown):
+                 independent_processes=False, inverse_delay=0,
+                 doubly_factored_from=None, **unknown):
         options.reject_unknown(unknown, type(self).__init__)
         super().__init__()
         hp = self.hyperparam
@@ -240,6 +249,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                                     'batch_subsample')
         self.conv_factors = options.conv_factors(conv_factors,
                                                  self.spatial_subsample)
+        self.doubly_factored_from = None if doubly_factored_from is None \
+            else options.positive_int(doubly_factored_from,
+                                      'doubly_factored_from')
         self.kl_clip_batch = None if kl_clip_batch is None else \
             options.positive_int(kl_clip_batch, 'kl_clip_batch')
         self.max_skipped_steps = options.positive_int(max_skipped_steps,
@@ -316,7 +328,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             inverse=self.inverse, bn_fisher=self.bn_fisher,
             spatial_subsample=self.spatial_subsample,
             batch_subsample=self.batch_subsample,
-            conv_factors=self.conv_factors)
+            conv_factors=self.conv_factors,
+            doubly_factored_from=self.doubly_factored_from)
         self.blocks, self._unsupported = registry.blocks_of(link, options)
         by_link = {block.link: block for block in self.blocks}
         # Bound methods, not closures: a set-up optimizer (and its model)

@@ -148,6 +148,7 @@ def option_values(optimizer):
         spatial_subsample=optimizer.spatial_subsample,
         batch_subsample=optimizer.batch_subsample,
         conv_factors=optimizer.conv_factors,
+        doubly_factored_from=optimizer.doubly_factored_from,
         kl_clip_batch=optimizer.kl_clip_batch,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,

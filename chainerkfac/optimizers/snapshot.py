@@ -120,11 +120,10 @@ def _check_layers(saved, mine, blocks):
     for block, entry in itertools.zip_longest(blocks, entries):
         name, _, described = (entry or '').partition(': ')
         # A lazily initialised layer has no shapes yet (the Trainer
-        # loads the optimizer before the model): its name must agree.
-        shaped = block is not None and all(
-            p.array is not None for p in block.params())
+        # loads the optimizer before the model), nor a doubly-factored one
+        # its layout before its first input: its name must agree.
         if block is None or name != block.name or (
-                shaped and described != block.describe()):
+                block.shapes_known() and described != block.describe()):
             raise ValueError(
                 'snapshot and model differ in their K-FAC layers, '
                 'first: {!r} in the snapshot, {!r} in this model'.format(

@@ -6,6 +6,7 @@
     ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
     ... [--float16] [--transport-dtype float16] [--conv-factors reduced]
+    ... [--doubly-factored-from 16]   (fc1's 4 x 2 x 2 input: K ⊗ Ψ ⊗ G)
 
 The update-norm guard is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
@@ -96,6 +97,7 @@ def main():
     parser.add_argument('--step-rule', default='graft')
     parser.add_argument('--kl-clip', type=float, default=1e-5)
     parser.add_argument('--conv-factors', default='expanded')
+    parser.add_argument('--doubly-factored-from', type=int, default=None)
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
@@ -112,7 +114,8 @@ def main():
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters, kl_clip=args.kl_clip,
-        step_rule=args.step_rule, conv_factors=args.conv_factors)
+        step_rule=args.step_rule, conv_factors=args.conv_factors,
+        doubly_factored_from=args.doubly_factored_from)
     if args.float16:
         optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1
