@@ -158,6 +158,7 @@ def run_cost(args):
             print(row, flush=True)
             rows.append(row)
     payload['cost'] = {'rows': rows, 'steps': args.steps,
+                       'argv': sys.argv[1:],
                        'environment': harness.environment()}
     harness.write_json(OUT, payload)
 
@@ -238,6 +239,7 @@ def run_train(args):
             payload = harness.read_json(OUT) or {}
             payload.setdefault('runs', []).append(run)
             payload['train_environment'] = harness.environment()
+            payload['train_argv'] = sys.argv[1:]
             payload['summary'] = summarise(payload['runs'])
             harness.write_json(OUT, payload)
     report(harness.read_json(OUT))
@@ -280,40 +282,52 @@ def summarise(runs):
     return {'target': target, 'rows': rows}
 
 
+def cost_table(cost):
+    """The cost measurement as a Markdown table."""
+    rows = []
+    for r in cost['rows']:
+        s = r['seconds']
+        rows.append([str(r['width']), '{}x{}x{}'.format(
+            r['channels'], r['side'], r['side']), r['block'],
+            harness.fmt_bytes(r['state_bytes'])] + (
+            ['not run'] * 3 if s is None else
+            [harness.fmt_s(s[k]) for k in
+             ('statistics', 'inversion', 'precondition')]))
+    return harness.table(rows, ['width', 'input', 'block', 'holds',
+                                'statistics', 'inversion', 'precondition'])
+
+
+def train_table(summary):
+    """The training runs' summary as a Markdown table."""
+    rows = [[r['optimizer'], '{:g}'.format(r['base_lr']), str(r['seeds']),
+             '{:.3f}'.format(r['final_accuracy']),
+             '{:.3f}'.format(r['final_val_loss']),
+             ', '.join('-' if e is None else str(e)
+                       for e in r.get('epochs_to_target', [])),
+             '{:.0f}'.format(r['seconds']),
+             '{:.0f}'.format(r['statistics_seconds'])
+             if 'statistics_seconds' in r else '-',
+             '{:.0f}'.format(r['inversion_seconds'])
+             if 'inversion_seconds' in r else '-',
+             harness.fmt_bytes(r['fc1']['state_bytes'])
+             if 'fc1' in r else '-']
+            for r in summary['rows']]
+    return harness.table(rows, [
+        'optimizer', 'base lr', 'seeds', 'final accuracy',
+        'final val. loss', 'epochs to target (per seed)', 'training s',
+        'statistics s', 'inversion s', 'fc1 block holds'])
+
+
 def report(payload):
     if payload is None:
         print('no results yet')
         return
-    cost = payload.get('cost')
-    if cost:
-        rows = []
-        for r in cost['rows']:
-            s = r['seconds']
-            rows.append([str(r['width']), '{}x{}x{}'.format(
-                r['channels'], r['side'], r['side']), r['block'],
-                harness.fmt_bytes(r['state_bytes'])] + (
-                ['not run'] * 3 if s is None else
-                [harness.fmt_s(s[k]) for k in
-                 ('statistics', 'inversion', 'precondition')]))
-        print(harness.table(rows, ['width', 'input', 'block', 'holds',
-                                   'statistics', 'inversion',
-                                   'precondition']))
-    summary = payload.get('summary')
-    if summary:
-        print('target (MomentumSGD best - 0.5 point): {}'.format(
-            summary['target']))
-        rows = [[r['optimizer'], str(r['base_lr']), str(r['seeds']),
-                 '{:.3f}'.format(r['final_accuracy']),
-                 '{:.3f}'.format(r['final_val_loss']),
-                 str(r.get('epochs_to_target')),
-                 '{:.0f}'.format(r['seconds']),
-                 '{:.0f}'.format(r.get('inversion_seconds', 0)),
-                 '{:.0f}'.format(r.get('statistics_seconds', 0))]
-                for r in summary['rows']]
-        print(harness.table(rows, ['optimizer', 'lr', 'seeds', 'final acc',
-                                   'val loss', 'epochs to target',
-                                   'train s', 'inversion s',
-                                   'statistics s']))
+    if payload.get('cost'):
+        print(cost_table(payload['cost']))
+    if payload.get('summary'):
+        print('target (MomentumSGD best - 0.5 point): {:.3f}'.format(
+            payload['summary']['target']))
+        print(train_table(payload['summary']))
 
 
 def main(argv=None):

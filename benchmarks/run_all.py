@@ -685,6 +685,7 @@ def write_doc(full):
                 lines += _tta_task(task, entry)
     lines += _shapes_section(shapes)
     lines += _polyak_section(load('polyak_shapes'))
+    lines += _doubly_factored_section(load('doubly_factored'))
     lines += _float16_section(load('float16'))
     if dist:
         lines += ['## Distributed', '',
@@ -827,6 +828,43 @@ def _polyak_section(polyak):
             max(r['seed'] for r in polyak['runs']) + 1, polyak['recipe'],
             run['batch'], run['base_lr'], run['epochs']),
         '', _env_line(polyak), '', polyak['table'], '']
+
+
+def _doubly_factored_section(payload):
+    """The doubly-factored block against ``A ⊗ G`` (``doubly_factored.py``):
+    its cost on one wide Linear, and training a VGG-style network."""
+    if not payload:
+        return []
+    import doubly_factored
+    lines = ['## Doubly-factored block of a large-input Linear', '']
+    cost = payload.get('cost')
+    if cost:
+        lines += [
+            'Command: `{}doubly_factored.py {}`. One Linear on ReLU\'d '
+            'feature maps (512 outputs, then a 10-way Linear), batch 256, '
+            'factors and inverses every step, one BLAS thread; median of '
+            '{} steps. "holds": the factors, the sums kept for the next '
+            'statistics and the inverses (`state_bytes`); the standard '
+            'block above 9,216 inputs is counted from its shapes, not '
+            'run.'.format(PREFIX, ' '.join(cost.get('argv', ['cost'])),
+                          cost['steps']),
+            '', _env_line(cost), '', doubly_factored.cost_table(cost), '']
+    summary = payload.get('summary')
+    if summary:
+        lines += [
+            'Command: `{}doubly_factored.py {}`. `doubly_factored.'
+            'VGGStyle` (six 3x3 conv+BN layers, max-pooling, fc1 on the '
+            '256x6x6 map: 9,216 inputs) on the shapes task, the recipe of '
+            'compare_shapes.py; `kfac` is the one-line swap (fc1 `A ⊗ G`), '
+            '`kfac_doubly` the same with `doubly_factored_from=8192`. '
+            'Target {:.1%}: MomentumSGD\'s best final accuracy over its '
+            'grid minus 0.5 point.'.format(
+                PREFIX, ' '.join(payload.get('train_argv', ['train'])),
+                summary['target']),
+            '', _env_line({'environment': payload.get(
+                'train_environment', {})}), '',
+            doubly_factored.train_table(summary), '']
+    return lines
 
 
 def _float16_section(f16):

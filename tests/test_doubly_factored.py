@@ -176,6 +176,24 @@ def test_block_is_chosen_by_input_width_at_setup():
             chainerkfac.optimizers.KFAC(doubly_factored_from=bad)
 
 
+def test_lazy_link_above_the_width_says_it_keeps_the_standard_block(
+        caplog):
+    model = chainer.Sequential(L.Linear(None, OUT), F.relu, L.Linear(OUT, 2))
+    optimizer = chainerkfac.optimizers.KFAC(doubly_factored_from=18)
+    optimizer.setup(model)
+    x = numpy.ones((4, C, H, W), dtype=numpy.float32)
+    t = numpy.zeros(4, dtype=numpy.int32)
+    for _ in range(2):
+        with caplog.at_level('WARNING', logger='chainerkfac.fallback'):
+            optimizer.update(lambda x, t: F.softmax_cross_entropy(
+                model(x), t), x, t)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith(
+        'KFAC layer 0: its input is 18 wide, at least '
+        'doubly_factored_from=18, but the link was initialised lazily')
+    assert type(optimizer.blocks[0]).__name__ == 'LinearBlock'
+
+
 def test_input_that_is_not_the_feature_map_is_refused_by_name():
     numpy.random.seed(0)
     model = Net()

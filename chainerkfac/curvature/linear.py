@@ -1,6 +1,7 @@
 """Fisher blocks of :class:`chainer.links.Linear`: the Kronecker block
 ``A ⊗ G``, and for a layer whose input is a large feature map the
 doubly-factored block ``K ⊗ Ψ ⊗ G`` (Ba, Grosse & Martens 2017 §4)."""
+import logging
 import math
 
 from chainer import backend
@@ -9,6 +10,10 @@ from chainerkfac import linalg
 from chainerkfac.curvature import cost
 from chainerkfac.curvature import forms
 from chainerkfac.curvature import kronecker
+
+#: Where a layer that falls back from the curvature it was asked for is
+#: said (:mod:`chainerkfac.optimizers.kfac`'s ``fallback_logger``).
+fallback_logger = logging.getLogger('chainerkfac.fallback')
 
 
 class LinearBlock(kronecker.KroneckerBlock):
@@ -28,6 +33,26 @@ class LinearBlock(kronecker.KroneckerBlock):
                 and link.W.shape[1] >= threshold):
             return DoublyFactoredBlock
         return cls
+
+    def __init__(self, link, name, options):
+        super().__init__(link, name, options)
+        #: The ``doubly_factored_from`` width a lazily initialised link
+        #: could not be compared with at setup; its first input is.
+        self.unsized_threshold = (options.doubly_factored_from
+                                  if link.W.array is None else None)
+
+    def forward_statistics(self, x, wanted):
+        threshold, self.unsized_threshold = self.unsized_threshold, None
+        if threshold is not None and self.link.W.shape[1] >= threshold:
+            fallback_logger.warning(
+                'KFAC layer %s: its input is %d wide, at least '
+                'doubly_factored_from=%d, but the link was initialised '
+                'lazily, after setup chose its block: it keeps A ⊗ G (A '
+                '%dx%d); give the Linear its input size for the '
+                'doubly-factored block', self.name, self.link.W.shape[1],
+                threshold, self.link.W.shape[1] + int(self.has_bias),
+                self.link.W.shape[1] + int(self.has_bias))
+        return super().forward_statistics(x, wanted)
 
     def input_columns(self, x):
         return x.reshape(-1, self.link.W.shape[1]).T, x.shape[0]
