@@ -7,9 +7,9 @@
 
 Ba, Grosse & Martens (2017, §4) approximate the input factor of a layer
 whose input is a large feature map (AlexNet's and VGG's first fully
-connected layers) by ``K ⊗ Ψ``: ``T x T`` and ``C x C`` instead of one
+connected layers) by ``Ψ ⊗ K``: ``C x C`` and ``T x T`` instead of one
 ``C T x C T`` (``KFAC(doubly_factored_from=N)``,
-:class:`chainerkfac.curvature.linear.DoublyFactoredBlock`).
+:class:`chainerkfac.curvature.doubly_factored.DoublyFactoredBlock`).
 
 ``cost``: one Linear (``C x side x side`` inputs, ReLU'd Gaussian feature
 maps, 512 outputs, then a 10-way Linear) at batch 256, factors and

@@ -15,13 +15,15 @@ as an ``(out, in)`` matrix (bias in the last column); ``ε`` is the damping.
   for the block's shape and how long the inverse is reused
   (:func:`explicit_inverse_pays`).
 
-* The doubly-factored approximation ``A ≈ K ⊗ Ψ`` of a layer with a
-  large feature-map input (Ba, Grosse & Martens 2017 §4-4.1): the same
-  damping shared by three factors, ``π_i ε^(1/3)`` each
-  (:func:`factored_damping`), and the bias in a block of its own damped
-  by ``ε`` (:func:`doubly_factored_product`)::
+* The doubly-factored approximation ``A ≈ Ψ ⊗ K`` (channels,
+  positions) of a layer with a large feature-map input (Ba, Grosse &
+  Martens 2017 §4-4.1): the damping shared by three factors, ``π_i
+  ε^(1/3)`` each (:func:`factored_damping`), and the bias in a block of
+  its own damped by ``ε``; with ``∇W`` as an ``(out, C, T)`` tensor and
+  ``×ₙ`` the product along its ``n``-th axis
+  (:func:`doubly_factored_product`)::
 
-      V_W = G_d⁻¹ ×₁ Ψ_d⁻¹ ×₂ K_d⁻¹ ×₃ ∇W,   v_b = (G + ε I)⁻¹ ∇b
+      V_W = ∇W ×₁ G_d⁻¹ ×₂ Ψ_d⁻¹ ×₃ K_d⁻¹,   v_b = (G + ε I)⁻¹ ∇b
 
 * Exact damping in the eigenbasis (``inverse='eigen'``, KAISA)::
 
@@ -105,14 +107,11 @@ def factored_damping(factors, damping):
         means.append(float(xp.trace(F)) / F.shape[0])
     k = len(means)
     root = damping ** (1 / k)
-    if not all(m > 0 and math.isfinite(m) for m in means):
+    geometric = math.prod(means) ** (1 / k)
+    if not (geometric > 0 and math.isfinite(geometric)
+            and all(m > 0 and math.isfinite(m) for m in means)):
         return (root,) * k
-    # In logarithms: the product of k means can leave float range.
-    log_mean = sum(math.log(m) for m in means) / k
-    pis = [math.exp(math.log(m) - log_mean) for m in means]
-    if not all(math.isfinite(pi) and pi > 0 for pi in pis):
-        return (root,) * k
-    return tuple(pi * root for pi in pis)
+    return tuple(m / geometric * root for m in means)
 
 
 def add_diagonal(M, value):
@@ -301,12 +300,12 @@ def kronecker_precondition(grad, A_inv, G_inv):
 
 
 def doubly_factored_product(grad, K, Psi, G):
-    """``(K ⊗ Ψ ⊗ G) vec(∇)``, as the ``(out, C T)`` matrix of ``∇``: the
-    weight gradient ``∇`` of shape ``(out, C T)`` (input channel ``c``,
-    position ``t`` at column ``c T + t``) taken as a tensor ``(out, C, T)``
-    and multiplied along each axis by one symmetric factor, ``G`` (out),
-    ``Ψ`` (C) and ``K`` (T) (Ba, Grosse & Martens 2017 §4, Eq. 9, with
-    the factors or their damped inverses).
+    """``(Ψ ⊗ K ⊗ G) vec(∇)``, as an ``(out, C T)`` matrix: the weight
+    gradient ``∇`` of shape ``(out, C T)`` (input channel ``c``, position
+    ``t`` at column ``c T + t``) taken as a tensor ``(out, C, T)`` and
+    multiplied along each axis by one symmetric factor, ``∇ ×₁ G ×₂ Ψ ×₃
+    K`` (Ba, Grosse & Martens 2017 §4, Eq. 9, with the factors or their
+    damped inverses).
     """
     out, C, T = G.shape[0], Psi.shape[0], K.shape[0]
     V = (G @ grad).reshape(out * C, T) @ K

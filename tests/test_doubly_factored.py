@@ -13,7 +13,7 @@ import pytest
 
 import chainerkfac
 from chainerkfac import linalg
-from chainerkfac.curvature import linear
+from chainerkfac.curvature import doubly_factored
 from tests.device import host, place
 
 
@@ -66,7 +66,7 @@ def brute_force_statistics(model, x, t):
 def test_rank_one_factors_are_the_top_singular_triple(shape):
     X = numpy.random.RandomState(1).randn(*shape)
     X[2] = 0   # an all-zero sample gives zeros
-    k, psi = linear.rank_one_factors(X)
+    k, psi = doubly_factored.rank_one_factors(X)
     assert k.shape == (shape[2], shape[0]) and psi.shape == shape[:2][::-1]
     for i in range(shape[0]):
         u, s, vt = numpy.linalg.svd(X[i])
@@ -111,7 +111,7 @@ def test_factors_equal_brute_force_and_step_equals_dense_solve(nobias):
         kl_clip=None, factor_interval=1, doubly_factored_from=C * H * W)
     optimizer.setup(model)
     block = optimizer.blocks[1]
-    assert type(block) is linear.DoublyFactoredBlock
+    assert type(block) is doubly_factored.DoublyFactoredBlock
     x, t = batch()
     reference = Net(nobias)
     reference.copyparams(model)
@@ -126,11 +126,12 @@ def test_factors_equal_brute_force_and_step_equals_dense_solve(nobias):
                                       rtol=1e-10, atol=1e-12,
                                       err_msg=name)
     assert block.describe() == (
-        'doubly-factored K-FAC K 6x6, Psi 3x3, G 4x4' +
+        'doubly-factored K-FAC Psi 3x3, K 6x6, G 4x4' +
         ('' if nobias else ', bias block 4x4'))
     K_d, Psi_d, G_d = (M + d * numpy.eye(len(M)) for M, d in zip(
         (K, Psi, G), three_factor_damping((K, Psi, G), damping)))
-    # ∇W as (out, C, T), flattened row-major: (G ⊗ Ψ ⊗ K) in that order.
+    # ∇W as (out, C, T) flattened row-major, so NumPy's kron in the order
+    # G, Ψ, K (the package's column-major order: Ψ ⊗ K ⊗ G).
     dense = numpy.kron(numpy.kron(G_d, Psi_d), K_d)
     grad_W = reference.fc.W.grad
     expected_W = numpy.linalg.solve(dense, grad_W.ravel()).reshape(
@@ -233,3 +234,103 @@ def test_cost_counts_three_small_factors():
     assert cost.precondition_cost == 2 * 6 * 3 * OUT * (6 + 3 + OUT) + \
         2 * OUT ** 2
     assert not block.splittable()
+
+
+def trained(optimizer, model, x, t, steps=2):
+    optimizer.setup(model)
+    for _ in range(steps):
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                         x, t)
+    return optimizer
+
+
+def test_factors_under_a_loss_scale_and_with_channels_above_positions():
+    # C = 6 > T = 2 (the Gram matrix of the positions); the loss scale is
+    # divided out of G only (Ψ and K come from the forward pass).
+    class Wide(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with chainer.using_config('dtype', numpy.float64), \
+                    self.init_scope():
+                self.conv = L.Convolution2D(2, 6, 3, pad=1)
+                self.fc = L.Linear(12, OUT)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.conv(x)))
+
+    x, t = numpy.random.RandomState(3).randn(10, 2, 1, 2), batch()[1]
+    factors = []
+    for scale in (None, 1024.0):
+        numpy.random.seed(0)
+        optimizer = chainerkfac.optimizers.KFAC(
+            doubly_factored_from=12, factor_interval=1, step_rule='natural',
+            kl_clip=None)
+        if scale:
+            optimizer.loss_scaling(scale=scale)
+        trained(optimizer, Wide(), x, t, steps=1)
+        block = optimizer.blocks[1]
+        assert block.layout == (6, 2)
+        factors.append({f: block.factor[f] for f in block.factors})
+    for f in ('K', 'Psi', 'G'):
+        numpy.testing.assert_allclose(factors[1][f], factors[0][f],
+                                      rtol=1e-10, err_msg=f)
+
+
+@pytest.mark.parametrize('nonfinite', ['raise', 'skip'])
+def test_non_finite_input_is_reported_like_the_standard_blocks(nonfinite):
+    numpy.random.seed(0)
+    model = Net()
+    optimizer = trained(chainerkfac.optimizers.KFAC(
+        doubly_factored_from=18, factor_interval=1, nonfinite=nonfinite),
+        model, *batch())
+    before = model.fc.W.array.copy()
+    x, t = batch(seed=1)
+    x[3] = numpy.nan
+    step = lambda: optimizer.update(  # NOQA: E731
+        lambda x, t: F.softmax_cross_entropy(model(x), t), x, t)
+    if nonfinite == 'raise':
+        # (not LAPACK's LinAlgError from inside the forward pass)
+        with pytest.raises(chainerkfac.NonFiniteError, match='non-finite'):
+            step()
+    else:
+        step()
+        numpy.testing.assert_array_equal(model.fc.W.array, before)
+
+
+def test_snapshot_fixes_the_layout_and_refuses_another_kind_of_block():
+    numpy.random.seed(0)
+    optimizer = trained(chainerkfac.optimizers.KFAC(
+        doubly_factored_from=18, factor_interval=1), Net(), *batch())
+    state = {}
+    chainer.serializers.DictionarySerializer(state).save(optimizer)
+    assert state['kfac/fc/Psi'].shape == (C, C)
+
+    def loaded(state, **options):
+        numpy.random.seed(0)
+        model = Net()
+        optimizer = chainerkfac.optimizers.KFAC(**options)
+        optimizer.setup(model)
+        chainer.serializers.NpzDeserializer(state).load(optimizer)
+        return model, optimizer
+
+    model, resumed = loaded(state, doubly_factored_from=18,
+                            factor_interval=1)
+    assert resumed.blocks[1].layout == (C, H * W)
+    x, t = batch()
+    other = F.relu(model.conv(x)).array.reshape(len(x), 6, 3)
+    with pytest.raises(ValueError, match='3 channels at 6 positions'):
+        resumed.update(lambda h, t: F.softmax_cross_entropy(
+            model.fc(h), t), other, t)
+    # A's block or Ψ's, whichever the snapshot or the run has.
+    with pytest.raises(ValueError, match="'fc: doubly-factored K-FAC Psi "
+                       "3x3, K 6x6, G 4x4, bias block 4x4' in the snapshot, "
+                       "'fc: K-FAC A 19x19, G 4x4' in this model"):
+        loaded(state)
+    numpy.random.seed(0)
+    standard = {}
+    chainer.serializers.DictionarySerializer(standard).save(trained(
+        chainerkfac.optimizers.KFAC(), Net(), *batch()))
+    with pytest.raises(ValueError, match="'fc: K-FAC A 19x19, G 4x4' in "
+                       "the snapshot, 'fc: doubly-factored K-FAC \\(input 18 "
+                       "wide\\), layout set at first forward"):
+        loaded(standard, doubly_factored_from=18)

@@ -43,7 +43,7 @@ def assert_same_parameters(got, expected, what):
     ('cholesky', 'natural', 'expanded', []),
     ('eigen', 'relative_kl', 'expanded', []),
     ('cholesky', 'graft', 'reduced', []),
-    # fc1 doubly factored (K ⊗ Ψ ⊗ G, Ba et al. 2017 §4; explicit
+    # fc1 doubly factored (Ψ ⊗ K ⊗ G, Ba et al. 2017 §4; explicit
     # inverses under either inverse option), with the step rule that
     # multiplies by its factors too (which needs blocks left whole).
     ('eigen', 'relative_kl', 'expanded',

@@ -15,6 +15,7 @@ Damping is applied only when building the inverse form
 """
 import collections
 import concurrent.futures
+import logging
 
 import numpy
 from chainer import backend
@@ -24,6 +25,13 @@ from chainerkfac import background
 from chainerkfac import schedules
 from chainerkfac import step_rule
 from chainerkfac.curvature import forms
+
+
+#: Where links that get less curvature than the options ask for are named
+#: (momentum SGD at setup; a lazily initialised Linear that keeps ``A ⊗ G``
+#: at its first input); ``logging.getLogger('chainerkfac.fallback')
+#: .setLevel(logging.ERROR)`` silences it.
+fallback_logger = logging.getLogger('chainerkfac.fallback')
 
 
 class NonFiniteError(FloatingPointError):

@@ -45,7 +45,7 @@ class BlockCost:
         dims (tuple of int): ``(d_A, d_G)`` for ``'kronecker'``, the sizes of
             the input-side factor A (including the bias coordinate) and of
             the output-side factor G; ``(d_K, d_Ψ, d_G)`` for
-            ``'doubly_factored'`` (a Linear's doubly-factored block ``K ⊗ Ψ
+            ``'doubly_factored'`` (a Linear's doubly-factored block ``Ψ ⊗ K
             ⊗ G``, Ba et al. 2017 §4: positions, channels, outputs);
             ``(C,)`` (the number of channels) for BatchNormalization.
 

@@ -23,7 +23,7 @@ which one it applies. Kronecker blocks ``A ⊗ G`` (Martens & Grosse 2015
 * :class:`KroneckerEigen`: eigenbases with exact damping ``λ_G λ_Aᵀ + ε``
   (KAISA).
 
-Doubly-factored blocks ``K ⊗ Ψ ⊗ G`` of a layer with a large feature-map
+Doubly-factored blocks ``Ψ ⊗ K ⊗ G`` of a layer with a large feature-map
 input (Ba, Grosse & Martens 2017 §4): :class:`DoublyFactoredInverses`.
 
 Single matrices (BatchNorm blocks, Osawa et al. §5.4): :class:`Diagonal`
@@ -242,11 +242,12 @@ def tikhonov_kind(dim_A, dim_G, reuse):
 # -- doubly-factored blocks: three factors (K, Ψ, G) and the bias's own ----
 
 class DoublyFactoredInverses(Form):
-    """``V_W = G_d⁻¹ ×₁ Ψ_d⁻¹ ×₂ K_d⁻¹ ×₃ ∇W`` and ``v_b = (G + ε I)⁻¹
-    ∇b`` (Ba, Grosse & Martens 2017 §4, Eq. 9, with the factored damping
-    of §4.1, Eq. 12): the gradient ``[∇W | ∇b]`` is an ``(out, C T)``
-    matrix, with one more column for a bias (whose full block ``G``, the
-    Fisher of the bias alone, takes the whole damping ``ε``)."""
+    """``V_W = ∇W ×₁ G_d⁻¹ ×₂ Ψ_d⁻¹ ×₃ K_d⁻¹`` (along the output,
+    channel and position axes) and ``v_b = (G + ε I)⁻¹ ∇b`` (Ba, Grosse &
+    Martens 2017 §4, Eq. 9, with the factored damping of §4.1, Eq. 12):
+    the gradient ``[∇W | ∇b]`` is an ``(out, C T)`` matrix, with one more
+    column for a bias (whose full block ``G``, the Fisher of the bias
+    alone, takes the whole damping ``ε``)."""
 
     keys = ('K_inv', 'Psi_inv', 'G_inv', 'bias_inv')
 

@@ -36,10 +36,6 @@ from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages as stages_module
 
 logger = logging.getLogger(__name__)
-#: The set-up warning naming the links that fall back to momentum SGD;
-#: ``logging.getLogger('chainerkfac.fallback').setLevel(logging.ERROR)``
-#: silences it.
-fallback_logger = logging.getLogger('chainerkfac.fallback')
 
 _default_hyperparam = optimizer.Hyperparameter()
 _default_hyperparam.lr = 0.01
@@ -159,8 +155,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         doubly_factored_from (int or None): A Linear whose input is at
             least this wide (known at setup) and arrives as a feature map
             (``(n, C, H, W)``, which the link flattens) gets the
-            doubly-factored block ``K ⊗ Ψ ⊗ G`` (Ba et al. 2017 §4;
-            :class:`~chainerkfac.curvature.linear.DoublyFactoredBlock`):
+            doubly-factored block ``Ψ ⊗ K ⊗ G`` (Ba et al. 2017 §4;
+            :class:`~chainerkfac.curvature.doubly_factored.DoublyFactoredBlock`):
             factors of ``T x T`` (positions) and ``C x C`` (channels)
             instead of one ``C T x C T``, its bias in a block of its own.
             ``None``: every Linear gets ``A ⊗ G``.
@@ -342,7 +338,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             block.link.add_hook(self._hook)
         self._stages.setup(self)
         if self._unsupported and self._stages.rank_and_size()[0] == 0:
-            fallback_logger.warning(
+            base.fallback_logger.warning(
                 'KFAC: %d link(s) without curvature follow momentum SGD: %s',
                 len(self._unsupported), '; '.join(
                     '{} ({})'.format(name, reason)

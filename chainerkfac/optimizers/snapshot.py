@@ -121,9 +121,12 @@ def _check_layers(saved, mine, blocks):
         name, _, described = (entry or '').partition(': ')
         # A lazily initialised layer has no shapes yet (the Trainer
         # loads the optimizer before the model), nor a doubly-factored one
-        # its layout before its first input: its name must agree.
+        # its layout before its first input: its name must agree, and its
+        # kind, the description's first word (K-FAC, doubly-factored, BN).
         if block is None or name != block.name or (
-                block.shapes_known() and described != block.describe()):
+                described != block.describe() if block.shapes_known()
+                else described.split(' ')[0] !=
+                block.describe().split(' ')[0]):
             raise ValueError(
                 'snapshot and model differ in their K-FAC layers, '
                 'first: {!r} in the snapshot, {!r} in this model'.format(

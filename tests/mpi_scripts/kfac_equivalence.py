@@ -6,7 +6,7 @@
     ... [--every-step | --inverse-interval N]
     ... [--device @cupy:0] [--communicator pure_nccl]
     ... [--float16] [--transport-dtype float16] [--conv-factors reduced]
-    ... [--doubly-factored-from 16]   (fc1's 4 x 2 x 2 input: K ⊗ Ψ ⊗ G)
+    ... [--doubly-factored-from 16]   (fc1's 4 x 2 x 2 input: Ψ ⊗ K ⊗ G)
 
 The update-norm guard is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
