@@ -852,15 +852,19 @@ def _doubly_factored_section(payload):
     summary = payload.get('summary')
     if summary:
         lines += [
-            'Command: `{}doubly_factored.py {}`. `doubly_factored.'
-            'VGGStyle` (six 3x3 conv+BN layers, max-pooling, fc1 on the '
-            '256x6x6 map: 9,216 inputs) on the shapes task, the recipe of '
-            'compare_shapes.py; `kfac` is the one-line swap (fc1 `A ⊗ G`), '
-            '`kfac_doubly` the same with `doubly_factored_from=8192`. '
-            'Target {:.1%}: MomentumSGD\'s best final accuracy over its '
-            'grid minus 0.5 point.'.format(
-                PREFIX, ' '.join(payload.get('train_argv', ['train'])),
-                summary['target']),
+            'Commands: `{0}doubly_factored.py train --jobs 2` (the grid, '
+            'seed 0) and `{0}doubly_factored.py train --seeds 1 --lrs-kfac '
+            '0.05 0.8 --lrs-sgd 0.05 --jobs 2` (a second seed, run in '
+            'parts). '
+            '`doubly_factored.VGGStyle` (six 3x3 conv+BN layers, '
+            'max-pooling, fc1 on the 256x6x6 map: 9,216 inputs) on 8,000 '
+            'shapes images, 10 epochs, the recipe of compare_shapes.py; '
+            '`kfac` is the one-line swap (fc1 `A ⊗ G`), `kfac_doubly` the '
+            'same with `doubly_factored_from=8192`. Target {1:.1%}: '
+            'MomentumSGD\'s best final accuracy over its grid minus 0.5 '
+            'point; "epochs to target" per seed, `-` where a run missed '
+            'it. The line below describes the last invocation.'.format(
+                PREFIX, summary['target']),
             '', _env_line({'environment': payload.get(
                 'train_environment', {})}), '',
             doubly_factored.train_table(summary), '']
