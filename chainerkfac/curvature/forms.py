@@ -257,10 +257,10 @@ class DoublyFactoredInverses(Form):
 
     @classmethod
     def refreshed(cls, K, Psi, G, damping, bias=True):
-        dampings = linalg.factored_damping((K, Psi, G), damping)
-        arrays = dict(zip(cls.keys, [
-            linalg.damped_inverse(F, d)
-            for F, d in zip((K, Psi, G), dampings)]))
+        factors = K, Psi, G
+        dampings = linalg.factored_damping(factors, damping)
+        arrays = {key: linalg.damped_inverse(F, d) for key, F, d in
+                  zip(('K_inv', 'Psi_inv', 'G_inv'), factors, dampings)}
         if bias:
             arrays['bias_inv'] = linalg.damped_inverse(G, damping)
         return cls(arrays, damping)
