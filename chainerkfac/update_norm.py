@@ -39,6 +39,26 @@ left K-FAC behind MomentumSGD at batch 1024 on ``shapes`` (0.469 against
 0.591), like ``B²`` ahead (0.644 to 0.691); below 64, ``B²`` cost K-FAC
 its lead on the digits at batch 32.
 
+A fixed bound cannot tell a model blowing up from one whose steps are
+large from the start and fall: a network whose first gradients are large
+(a ResNet, a plain deep CNN) has a ``q`` that starts orders of magnitude
+above ``κ`` at every learning rate and decreases, so a fixed ``κ`` sets its
+first steps whatever the learning rate, while a model blowing up has a
+``q`` that grows by orders of magnitude at a fixed learning rate. With
+``c`` the ``kl_clip_relative`` option, :class:`Relaxed` raises the bound to
+``c`` times the smallest step the run has taken, at the current learning
+rate::
+
+    m_t = min_{s ≤ t} q_s / η_s²         (the learning rate divided out)
+    κ_t = max(κ, c η_t² m_t)
+
+so that the guard binds only where ``q`` is over ``c`` times the smallest
+the run has had at this learning rate, or over ``κ``, whichever is
+larger. A learning-rate schedule moves the bound with ``η_t²``, as it moves
+``q``; a run whose ``q`` only falls keeps its steps; one whose ``q`` grows
+is cut back to ``c η_t² m_t`` (to ``κ`` once ``m_t`` is small). Every rank
+computes ``q`` from the same sums, so every rank holds the same ``m_t``.
+
 Parameters outside the K-FAC blocks follow momentum SGD and are not
 scaled. The gradients carry the loss scale ``s`` of float16 training, so
 ``q`` is divided by ``s²``. Under MPI every rank adds the step rule's sums
@@ -46,6 +66,8 @@ of every block in rank order (:mod:`chainerkfac.step_rule`), so that every
 rank applies the same ``ν``.
 """
 import math
+
+import chainer
 
 
 def kl_estimate(inner_sum, lr, loss_scale=None):
@@ -73,3 +95,40 @@ def scale(q, bound):
     if bound is None or not q > 0:
         return 1.0
     return min(1.0, math.sqrt(bound / q))
+
+
+class Relaxed:
+    """The bound relative to the run's own steps: ``κ_t = max(κ, c η_t²
+    m_t)`` with ``m_t = min_{s ≤ t} q_s / η_s²`` (``c`` the
+    ``kl_clip_relative`` option; ``None`` keeps ``κ``)."""
+
+    def __init__(self, relative):
+        self.relative = relative
+        #: ``m_t``, or ``None`` before the first step with ``q > 0``.
+        self.smallest = None
+
+    def bound(self, bound, q, lr):
+        """``κ_t`` from the fixed bound ``κ`` (``None``: the guard is off)
+        and this step's ``q`` at learning rate ``lr``, which joins
+        ``m_t``."""
+        if self.relative is None or bound is None:
+            return bound
+        if q > 0 and lr > 0:
+            ratio = q / (lr * lr)
+            self.smallest = ratio if self.smallest is None \
+                else min(self.smallest, ratio)
+        if self.smallest is None:
+            return bound
+        return max(bound, self.relative * lr * lr * self.smallest)
+
+    def serialize(self, serializer):
+        """Saves or loads ``m_t`` (``-1``: none yet)."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        try:
+            value = float(serializer('smallest_kl', -1.0 if self.smallest
+                                     is None else self.smallest))
+        except KeyError:
+            # Written before the bound could be relative.
+            value = -1.0
+        if loading:
+            self.smallest = None if value < 0 else value

@@ -47,7 +47,10 @@ def assert_same_parameters(got, expected, what):
     # inverses under either inverse option), with the step rule that
     # multiplies by its factors too (which needs blocks left whole).
     ('eigen', 'relative_kl', 'expanded',
-     ['--doubly-factored-from', '16'])])
+     ['--doubly-factored-from', '16']),
+    # The bound relative to the run's smallest q / lr², which every rank
+    # computes from the same gathered sums.
+    ('cholesky', 'graft', 'expanded', ['--kl-clip-relative', '1'])])
 def test_distributed_equals_single_process(tmp_path, inverse, rule,
                                            conv_factors, extra):
     options = ['--inverse', inverse, '--step-rule', rule,

@@ -61,7 +61,10 @@ def assert_identical(straight, resumed):
     # 2 steps later: the snapshot after step 5 holds one on its way.
     ('cholesky', ['--inverse-delay', '2']),
     # fc's 4 x 6 x 6 input doubly factored: K, Psi and G, and its form.
-    ('cholesky', ['--doubly-factored-from', '144'])])
+    ('cholesky', ['--doubly-factored-from', '144']),
+    # The relative bound's m_t: a resume that restarted it from step 5's q
+    # would move fc's weights by 0.06.
+    ('cholesky', ['--kl-clip', '1e-5', '--kl-clip-relative', '1'])])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     k = 5
     straight = run(tmp_path, 'straight', 0, 2 * k, inverse, extra=extra)
@@ -76,6 +79,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
         extra else ('A',)
     for factor in factors:
         assert 'optimizer/kfac/fc/' + factor in keys, factor
+    assert 'optimizer/kfac/guard/smallest_kl' in keys
 
 
 def test_distributed_resume_equals_uninterrupted_run(tmp_path):

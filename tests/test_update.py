@@ -175,6 +175,39 @@ def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
                                   rtol=1e-12)
 
 
+def test_relative_bound_follows_the_smallest_kl_of_the_run():
+    # κ_t = max(κ, c η_t² m_t), m_t = min_{s≤t} q_s / η_s²: steps whose q
+    # exceeds κ pass while q stays within c times the run's smallest (at
+    # this lr); a step whose inputs are 4 times larger is cut back to c η²
+    # m_t, above κ. The learning rate changes between steps.
+    kl_clip, relative = 1e-3, 10.0
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
+                                      kl_clip_batch=None,
+                                      kl_clip_relative=relative)
+    opt.setup(model)
+    smallest, scales, relaxed_bounds = numpy.inf, [], []
+    for step, (lr, size) in enumerate(zip(
+            [0.5, 0.5, 1.0, 0.2, 0.5, 0.5, 0.5], [1, 1, 1, 1, 1, 4, 1])):
+        opt.lr = lr
+        x, t = send(*data(seed=step))
+        observation = {}
+        with chainer.Reporter().scope(observation):
+            opt.update(loss_fn(model), size * x, t)
+        q = observation['kfac/kl']
+        smallest = min(smallest, q / lr ** 2)
+        bound = max(kl_clip, relative * lr ** 2 * smallest)
+        expected = min(1.0, numpy.sqrt(bound / q))
+        numpy.testing.assert_allclose(observation['kfac/update_scale'],
+                                      expected, rtol=1e-12)
+        scales.append(expected)
+        relaxed_bounds.append(bound > kl_clip and q > kl_clip)
+    assert opt.kl_clip_relative == relative
+    # Steps over κ taken whole, and one cut back above κ.
+    assert any(r and s == 1 for r, s in zip(relaxed_bounds, scales))
+    assert any(r and s < 1 for r, s in zip(relaxed_bounds, scales))
+
+
 def test_batch_of_one_linear_block_is_exact_empirical_fisher():
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC()
@@ -482,6 +515,7 @@ def test_nan_gradient_skipped_when_configured():
     ({'conv_factors': 'reduced', 'spatial_subsample': 2},
      "spatial_subsample must be 1 with conv_factors='reduced'"),
     ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
+    ({'kl_clip_relative': 0.5}, 'kl_clip_relative must be a real number >= 1'),
     ({'max_skipped_steps': 0}, 'max_skipped_steps'),
     ({'lr': '0.1'}, 'lr must be a real number >= 0'),
     ({'lr': None}, 'lr must be'), ({'damping': True}, 'damping must be'),

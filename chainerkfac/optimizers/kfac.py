@@ -169,6 +169,13 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             steps alone and stops those that would blow the model up. A
             hyperparameter: ``ExponentialShift('kl_clip', ...)`` gives it a
             schedule. ``None`` turns the guard off.
+        kl_clip_relative (float or None): ``c``: the bound relative to the
+            run's own steps, ``κ_t = max(κ, c · lr_t² · m_t)``, ``m_t`` the
+            smallest ``q / lr²`` of the steps so far
+            (:class:`~chainerkfac.update_norm.Relaxed`): the guard binds
+            where ``q`` grows over ``c`` times the smallest the run has
+            had, not on the first steps of a network whose ``q`` starts
+            large and falls. ``None`` keeps the fixed bound.
         kl_clip_batch (int or None): The global batch at which the bound is
             ``kl_clip``; it grows like the batch below it and like its
             square above it: ``κ = kl_clip · r · max(r, 1)``,
@@ -209,7 +216,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 kl_clip_batch=64, divergence='warn', max_skipped_steps=100,
+                 kl_clip_batch=64, kl_clip_relative=None, divergence='warn',
+                 max_skipped_steps=100,
                  step_rule='graft', conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
                  doubly_factored_from=None, **unknown):
@@ -250,6 +258,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                       'doubly_factored_from')
         self.kl_clip_batch = None if kl_clip_batch is None else \
             options.positive_int(kl_clip_batch, 'kl_clip_batch')
+        self._relaxed = update_norm.Relaxed(
+            None if kl_clip_relative is None else options.real_at_least(
+                kl_clip_relative, 'kl_clip_relative', 1))
         self.max_skipped_steps = options.positive_int(max_skipped_steps,
                                                       'max_skipped_steps')
         self._skipped_in_a_row = 0
@@ -274,6 +285,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     bn_damping_multiplier = optimizer.HyperparameterProxy(
         'bn_damping_multiplier')
     kl_clip = optimizer.HyperparameterProxy('kl_clip')
+
+    @property
+    def kl_clip_relative(self):
+        """``c`` of the bound relative to the run's own steps, or ``None``
+        (:class:`~chainerkfac.update_norm.Relaxed`)."""
+        return self._relaxed.relative
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
@@ -550,8 +567,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         rho = self.step_rule.scales(terms)
         kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
                                      scale)
-        nu = update_norm.scale(kl, update_norm.bound(
-            hp.kl_clip, batch or None, self.kl_clip_batch))
+        nu = update_norm.scale(kl, self._relaxed.bound(update_norm.bound(
+            hp.kl_clip, batch or None, self.kl_clip_batch), kl, hp.lr))
         for block, factor in zip(self.blocks, rho * nu):
             if factor != 1:
                 for param in block.params():
@@ -599,6 +616,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 state['header'](key, value)
             state['header']('held', snapshot.held(self.blocks))
         super().serialize(serializer)
+        self._relaxed.serialize(state['guard'])
         if loading and not found:
             logger.warning('the snapshot holds no K-FAC state (another '
                            "optimizer's?): momentum and step count loaded, "

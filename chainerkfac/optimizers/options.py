@@ -103,6 +103,15 @@ def positive_int(value, what, least=1):
     return value
 
 
+def real_at_least(value, what, least):
+    """``value`` if it is a real number >= ``least``."""
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+            or not value >= least):
+        raise ValueError('KFAC {} must be a real number >= {}, got {!r}'
+                         .format(what, least, value))
+    return value
+
+
 def count(value, what):
     """``value`` if it is an int >= 0."""
     return positive_int(value, what, least=0)
@@ -150,6 +159,7 @@ def option_values(optimizer):
         conv_factors=optimizer.conv_factors,
         doubly_factored_from=optimizer.doubly_factored_from,
         kl_clip_batch=optimizer.kl_clip_batch,
+        kl_clip_relative=optimizer.kl_clip_relative,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
         precondition=optimizer.use_kfac, step_rule=optimizer.step_rule,

@@ -96,6 +96,7 @@ def main():
     parser.add_argument('--transport-dtype', default=None)
     parser.add_argument('--step-rule', default='graft')
     parser.add_argument('--kl-clip', type=float, default=1e-5)
+    parser.add_argument('--kl-clip-relative', type=float, default=None)
     parser.add_argument('--conv-factors', default='expanded')
     parser.add_argument('--doubly-factored-from', type=int, default=None)
     args = parser.parse_args()
@@ -114,6 +115,7 @@ def main():
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters, kl_clip=args.kl_clip,
+        kl_clip_relative=args.kl_clip_relative,
         step_rule=args.step_rule, conv_factors=args.conv_factors,
         doubly_factored_from=args.doubly_factored_from)
     if args.float16:
