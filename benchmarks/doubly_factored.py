@@ -62,7 +62,10 @@ OUT = 'doubly_factored.json'
 WIDTH = 8192
 #: name -> K-FAC options (None: MomentumSGD).
 OPTIMIZERS = {'sgd': None, 'kfac': {},
-              'kfac_doubly': {'doubly_factored_from': WIDTH}}
+              'kfac_doubly': {'doubly_factored_from': WIDTH},
+              # The guard's bound relative to the run's own steps.
+              'kfac_doubly_rel10': {'doubly_factored_from': WIDTH,
+                                    'kl_clip_relative': 10}}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
 
