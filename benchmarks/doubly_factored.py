@@ -342,7 +342,8 @@ def main(argv=None):
     parser.add_argument('--report', action='store_true')
     parser.add_argument('--steps', type=int, default=3)
     parser.add_argument('--standard-max', type=int, default=9216)
-    parser.add_argument('--optimizers', nargs='+', default=list(OPTIMIZERS))
+    parser.add_argument('--optimizers', nargs='+',
+                        default=['sgd', 'kfac', 'kfac_doubly'])
     parser.add_argument('--lrs-sgd', type=float, nargs='+',
                         default=[0.0125, 0.025, 0.05, 0.1, 0.2, 0.4])
     parser.add_argument('--lrs-kfac', type=float, nargs='+',

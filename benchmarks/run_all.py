@@ -216,12 +216,13 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
                      _verdict(None if ours is None else ours < theirs)])
     if tta:
         import time_to_accuracy
-    for task, entry, names in _tta_entries(tta):
+    for task, entry, names, source in _tta_entries(tta):
         large = max(entry['batches'])
         _, best = time_to_accuracy.best_of(entry)
         for name in sorted(o for b, o in best if b == large and o in names):
-            label = '{} batch {}: {} iterations to {:.0%}'.format(
-                task, large, name, entry['target'])
+            label = '{} batch {}: {} iterations to {:.0%}{}'.format(
+                task, large, name, entry['target'],
+                '' if source is None else ' ({}.json)'.format(source))
             r = time_to_accuracy.ratios(best, large, name)
             into = rows if name in ('kfac', 'kfac_adaptive') else levers
             if r is None:
@@ -263,20 +264,21 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
 
 
 def _tta_entries(tta):
-    """``(task, entry, K-FAC variants)`` of ``time_to_accuracy.json`` and,
-    for variants it lacks, of the other ``time_to_accuracy_*.json`` runs."""
+    """``(task, entry, K-FAC variants, source)`` of
+    ``time_to_accuracy.json`` (source ``None``) and, for variants it lacks,
+    of the other ``time_to_accuracy_*.json`` runs (source their name)."""
     if not tta:
         return []
     import time_to_accuracy
-    entries = [(task, entry, set(time_to_accuracy.OPTIMIZERS) - {'sgd'})
-               for task, entry in tta['tasks'].items()]
+    entries = [(task, entry, set(time_to_accuracy.OPTIMIZERS) - {'sgd'},
+                None) for task, entry in tta['tasks'].items()]
     for name in _extra_tta():
         for task, entry in load(name)['tasks'].items():
             main = tta['tasks'].get(task)
             known = {o for _, o in time_to_accuracy.best_of(main)[1]} \
                 if main else set()
             entries.append((task, entry, set(time_to_accuracy.OPTIMIZERS)
-                            - known - {'sgd'}))
+                            - known - {'sgd'}, name))
     return entries
 
 

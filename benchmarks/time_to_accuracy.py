@@ -150,17 +150,18 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               'kfac_adaptive_kl0.1': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'kl_clip': 0.1},
-              # The default grafted step under the bound relative to the
-              # run's own steps (kl_clip_relative, update_norm.Relaxed).
-              'kfac_adaptive_rel10': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip_relative': 10},
               # The defaults before grafting: the natural step under the
               # update-norm guard's bound of 1e-4.
               'kfac_adaptive_natural': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'natural',
-                  'kl_clip': 1e-4}}
+                  'kl_clip': 1e-4},
+              # The default grafted step under the bound relative to the
+              # run's own steps (kl_clip_relative,
+              # update_norm.RelativeBound).
+              'kfac_adaptive_rel10': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'kl_clip_relative': 10}}
 
 
 def make_optimizer(name, lr, intervals):

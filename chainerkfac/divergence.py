@@ -19,7 +19,7 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   hundreds of steps), and the :class:`StallWarning` says what helps: the
   grafted step (``step_rule='graft'``), whose length follows the learning
   rate, with the bound relative to the run's own steps
-  (``kl_clip_relative``, :class:`chainerkfac.update_norm.Relaxed`), or a
+  (``kl_clip_relative``, :class:`chainerkfac.update_norm.RelativeBound`), or a
   larger ``kl_clip``. Lowering the learning rate or ``kl_clip``
   would only shorten the steps further.
 
@@ -113,9 +113,10 @@ class DivergenceMonitor:
                 self.last_loss, self.first_loss)
         self._warn(StallWarning, (
             "K-FAC stalls at iteration {}: {}, and {}. Use step_rule='graft'"
-            ' (the default), whose steps follow the learning rate, and '
-            'kl_clip_relative=10, which bounds the steps relative to the '
-            "run's smallest instead of by kl_clip alone, or raise kl_clip; "
+            ' (the default), whose steps follow the learning rate, and, at '
+            "MomentumSGD's learning rates, kl_clip_relative=10, which bounds "
+            "the steps relative to the run's smallest instead of by kl_clip "
+            'alone, or raise kl_clip; '
             'lowering the learning rate or kl_clip would shorten the steps '
             'further (docs/guide/tuning.md)').format(step, clipped, loss))
 

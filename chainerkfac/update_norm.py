@@ -41,13 +41,12 @@ its lead on the digits at batch 32.
 
 A fixed bound cannot tell a model blowing up from one whose steps are
 large from the start and fall: a network whose first gradients are large
-(a ResNet, a plain deep CNN) has a ``q`` that starts orders of magnitude
-above ``κ`` at every learning rate and decreases, so a fixed ``κ`` sets its
-first steps whatever the learning rate, while a model blowing up has a
-``q`` that grows by orders of magnitude at a fixed learning rate. With
-``c`` the ``kl_clip_relative`` option, :class:`Relaxed` raises the bound to
-``c`` times the smallest step the run has taken, at the current learning
-rate::
+(a ResNet, a plain deep CNN) has a ``q`` that starts well above ``κ`` and
+decreases as it learns, so a fixed ``κ`` sets its first steps whatever the
+learning rate, while a model blowing up has a ``q`` that grows by orders
+of magnitude at a fixed learning rate. With ``c`` the ``kl_clip_relative``
+option, :class:`RelativeBound` raises the bound to ``c`` times the
+smallest step the run has taken, at the current learning rate::
 
     m_t = min_{s ≤ t} q_s / η_s²         (the learning rate divided out)
     κ_t = max(κ, c η_t² m_t)
@@ -56,8 +55,12 @@ so that the guard binds only where ``q`` is over ``c`` times the smallest
 the run has had at this learning rate, or over ``κ``, whichever is
 larger. A learning-rate schedule moves the bound with ``η_t²``, as it moves
 ``q``; a run whose ``q`` only falls keeps its steps; one whose ``q`` grows
-is cut back to ``c η_t² m_t`` (to ``κ`` once ``m_t`` is small). Every rank
-computes ``q`` from the same sums, so every rank holds the same ``m_t``.
+is cut back to ``c η_t² m_t`` (to ``κ`` once ``m_t`` is small). The step
+being taken counts in ``m_t``, so the first steps of a learning rate far
+too large for the model are not told apart from those of one that learns
+and go through (measured in ``docs/guide/tuning.md``: why it is an option).
+Every rank computes ``q`` from the same sums, so every rank holds the same
+``m_t``.
 
 Parameters outside the K-FAC blocks follow momentum SGD and are not
 scaled. The gradients carry the loss scale ``s`` of float16 training, so
@@ -65,9 +68,12 @@ scaled. The gradients carry the loss scale ``s`` of float16 training, so
 of every block in rank order (:mod:`chainerkfac.step_rule`), so that every
 rank applies the same ``ν``.
 """
+import logging
 import math
 
 import chainer
+
+logger = logging.getLogger(__name__)
 
 
 def kl_estimate(inner_sum, lr, loss_scale=None):
@@ -97,38 +103,62 @@ def scale(q, bound):
     return min(1.0, math.sqrt(bound / q))
 
 
-class Relaxed:
+class RelativeBound:
     """The bound relative to the run's own steps: ``κ_t = max(κ, c η_t²
-    m_t)`` with ``m_t = min_{s ≤ t} q_s / η_s²`` (``c`` the
-    ``kl_clip_relative`` option; ``None`` keeps ``κ``)."""
+    m_t)`` with ``m_t = min_{s ≤ t} q_s / η_s²`` over the steps taken
+    (``c`` the ``kl_clip_relative`` option).
 
-    def __init__(self, relative):
-        self.relative = relative
-        #: ``m_t``, or ``None`` before the first step with ``q > 0``.
+    The step being taken counts in ``m_t``, so the first step is never
+    scaled by more than the fixed bound would (``κ_1 ≥ c q_1``): a
+    learning rate far too large from the first step goes through, which
+    is what the fixed bound alone stops. :meth:`bound` leaves ``m_t`` as it
+    is; :meth:`accept` adds the step once it is taken (a step skipped
+    for non-finite values does not count).
+    """
+
+    def __init__(self):
+        #: ``m_t``, or ``None`` before the first step taken with a positive,
+        #: finite ``q``.
         self.smallest = None
+        self._candidate = None
 
-    def bound(self, bound, q, lr):
-        """``κ_t`` from the fixed bound ``κ`` (``None``: the guard is off)
-        and this step's ``q`` at learning rate ``lr``, which joins
-        ``m_t``."""
-        if self.relative is None or bound is None:
+    def bound(self, bound, relative, q, lr):
+        """``κ_t`` from the fixed bound ``κ`` (``None``: the guard is off),
+        ``c`` (``relative``; ``None`` keeps ``κ`` and follows no ``m_t``)
+        and this step's ``q`` at learning rate ``lr``, which joins ``m_t``
+        if it is positive and finite."""
+        self._candidate = self.smallest
+        if relative is None:
             return bound
-        if q > 0 and lr > 0:
+        if q > 0 and lr > 0 and math.isfinite(q):
             ratio = q / (lr * lr)
-            self.smallest = ratio if self.smallest is None \
+            self._candidate = ratio if self.smallest is None \
                 else min(self.smallest, ratio)
-        if self.smallest is None:
+        if bound is None or self._candidate is None:
             return bound
-        return max(bound, self.relative * lr * lr * self.smallest)
+        return max(bound, relative * lr * lr * self._candidate)
 
-    def serialize(self, serializer):
-        """Saves or loads ``m_t`` (``-1``: none yet)."""
+    def accept(self):
+        """The step last passed to :meth:`bound` was taken: ``m_t``
+        includes it."""
+        self.smallest = self._candidate
+
+    def serialize(self, serializer, relative):
+        """Saves or loads ``m_t`` (``-1``: none yet); loading none where
+        ``relative`` (``c``) is set says that ``m_t`` starts afresh."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         try:
-            value = float(serializer('smallest_kl', -1.0 if self.smallest
-                                     is None else self.smallest))
+            value = float(serializer(
+                'smallest_q_over_lr2',
+                -1.0 if self.smallest is None else self.smallest))
         except KeyError:
             # Written before the bound could be relative.
             value = -1.0
-        if loading:
-            self.smallest = None if value < 0 else value
+        if not loading:
+            return
+        self.smallest = None if value < 0 else value
+        if self.smallest is None and relative is not None:
+            logger.warning(
+                'the snapshot holds no smallest q / lr^2 of the update-norm '
+                "guard's relative bound (kl_clip_relative): it starts "
+                'afresh from the next step')

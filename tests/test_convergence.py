@@ -119,3 +119,8 @@ def test_deep_plain_cnn_stall_is_named_and_grafting_trains_it(digits):
     grafted, warned = losses('deep_cnn', chainerkfac.optimizers.KFAC(
         0.05, 0.9), digits, steps=40)
     assert grafted[-5:].mean() < 0.5 * grafted[0] and not warned
+    # What the warning advises beside it: the same far too small bound,
+    # relative to the run's own steps, trains it too.
+    relative, warned = losses('deep_cnn', chainerkfac.optimizers.KFAC(
+        0.05, 0.9, kl_clip=1e-8, kl_clip_relative=10), digits, steps=40)
+    assert relative[-5:].mean() < 0.5 * relative[0] and not warned

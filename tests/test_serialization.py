@@ -79,7 +79,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
         extra else ('A',)
     for factor in factors:
         assert 'optimizer/kfac/fc/' + factor in keys, factor
-    assert 'optimizer/kfac/guard/smallest_kl' in keys
+    assert 'optimizer/kfac/guard/smallest_q_over_lr2' in keys
 
 
 def test_distributed_resume_equals_uninterrupted_run(tmp_path):

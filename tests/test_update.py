@@ -6,6 +6,7 @@ import numpy
 import pytest
 
 import chainerkfac
+from chainerkfac import update_norm
 from chainerkfac.distributed import split
 from tests import brute_force
 from tests.device import host, place, send
@@ -178,9 +179,10 @@ def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
 def test_relative_bound_follows_the_smallest_kl_of_the_run():
     # κ_t = max(κ, c η_t² m_t), m_t = min_{s≤t} q_s / η_s²: steps whose q
     # exceeds κ pass while q stays within c times the run's smallest (at
-    # this lr); a step whose inputs are 4 times larger is cut back to c η²
+    # this lr); a step whose inputs are 10 times larger is cut back to c η²
     # m_t, above κ. The learning rate changes between steps.
     kl_clip, relative = 1e-3, 10.0
+    numpy.random.seed(0)  # the links' initial weights
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
                                       kl_clip_batch=None,
@@ -188,7 +190,7 @@ def test_relative_bound_follows_the_smallest_kl_of_the_run():
     opt.setup(model)
     smallest, scales, relaxed_bounds = numpy.inf, [], []
     for step, (lr, size) in enumerate(zip(
-            [0.5, 0.5, 1.0, 0.2, 0.5, 0.5, 0.5], [1, 1, 1, 1, 1, 4, 1])):
+            [0.5, 0.5, 1.0, 0.2, 0.5, 0.5, 0.5], [1, 1, 1, 1, 1, 10, 1])):
         opt.lr = lr
         x, t = send(*data(seed=step))
         observation = {}
@@ -206,6 +208,30 @@ def test_relative_bound_follows_the_smallest_kl_of_the_run():
     # Steps over κ taken whole, and one cut back above κ.
     assert any(r and s == 1 for r, s in zip(relaxed_bounds, scales))
     assert any(r and s < 1 for r, s in zip(relaxed_bounds, scales))
+
+
+def test_relative_bound_counts_only_finite_steps_taken():
+    bound = update_norm.RelativeBound()
+    # A step not taken (bound without accept) leaves m_t as it was.
+    assert bound.bound(1e-2, 10.0, 0.5, 0.5) == 5.0  # c η² q / η²
+    assert bound.smallest is None
+    assert bound.bound(1e-2, 10.0, 0.5, 0.5) == 5.0
+    bound.accept()
+    assert bound.smallest == 2.0
+    # An infinite, NaN or zero q, or a zero lr, does not join m_t.
+    for q, lr in ((numpy.inf, 0.5), (numpy.nan, 0.5), (0.0, 0.5),
+                  (0.5, 0.0)):
+        assert bound.bound(1e-2, 10.0, q, lr) == max(1e-2, 20 * lr * lr)
+        bound.accept()
+        assert bound.smallest == 2.0
+    # c None: the bound as given, m_t left alone; the guard off: no bound
+    # (m_t still follows).
+    assert bound.bound(1e-2, None, 0.25, 0.5) == 1e-2
+    bound.accept()
+    assert bound.smallest == 2.0
+    assert bound.bound(None, 10.0, 0.25, 0.5) is None
+    bound.accept()
+    assert bound.smallest == 1.0
 
 
 def test_batch_of_one_linear_block_is_exact_empirical_fisher():
@@ -515,7 +541,9 @@ def test_nan_gradient_skipped_when_configured():
     ({'conv_factors': 'reduced', 'spatial_subsample': 2},
      "spatial_subsample must be 1 with conv_factors='reduced'"),
     ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
-    ({'kl_clip_relative': 0.5}, 'kl_clip_relative must be a real number >= 1'),
+    ({'kl_clip_relative': 0.5},
+     'kl_clip_relative must be a finite real number >= 1'),
+    ({'kl_clip_relative': float('inf')}, 'kl_clip_relative must be'),
     ({'max_skipped_steps': 0}, 'max_skipped_steps'),
     ({'lr': '0.1'}, 'lr must be a real number >= 0'),
     ({'lr': None}, 'lr must be'), ({'damping': True}, 'damping must be'),

@@ -172,7 +172,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         kl_clip_relative (float or None): ``c``: the bound relative to the
             run's own steps, ``κ_t = max(κ, c · lr_t² · m_t)``, ``m_t`` the
             smallest ``q / lr²`` of the steps so far
-            (:class:`~chainerkfac.update_norm.Relaxed`): the guard binds
+            (:class:`~chainerkfac.update_norm.RelativeBound`): the guard binds
             where ``q`` grows over ``c`` times the smallest the run has
             had, not on the first steps of a network whose ``q`` starts
             large and falls. ``None`` keeps the fixed bound.
@@ -258,9 +258,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                       'doubly_factored_from')
         self.kl_clip_batch = None if kl_clip_batch is None else \
             options.positive_int(kl_clip_batch, 'kl_clip_batch')
-        self._relaxed = update_norm.Relaxed(
-            None if kl_clip_relative is None else options.real_at_least(
-                kl_clip_relative, 'kl_clip_relative', 1))
+        self.kl_clip_relative = None if kl_clip_relative is None else \
+            options.real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
+        self._relative_bound = update_norm.RelativeBound()
         self.max_skipped_steps = options.positive_int(max_skipped_steps,
                                                       'max_skipped_steps')
         self._skipped_in_a_row = 0
@@ -285,12 +285,6 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     bn_damping_multiplier = optimizer.HyperparameterProxy(
         'bn_damping_multiplier')
     kl_clip = optimizer.HyperparameterProxy('kl_clip')
-
-    @property
-    def kl_clip_relative(self):
-        """``c`` of the bound relative to the run's own steps, or ``None``
-        (:class:`~chainerkfac.update_norm.Relaxed`)."""
-        return self._relaxed.relative
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
@@ -478,6 +472,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             scale = self.update_curvature(stats, samples)
             taken = self._preconditioned_fit()
         if taken:
+            self._relative_bound.accept()
             for param in self.target.params():
                 param.update()
         self.reallocate_cleared_grads()
@@ -567,8 +562,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         rho = self.step_rule.scales(terms)
         kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
                                      scale)
-        nu = update_norm.scale(kl, self._relaxed.bound(update_norm.bound(
-            hp.kl_clip, batch or None, self.kl_clip_batch), kl, hp.lr))
+        kappa = self._relative_bound.bound(
+            update_norm.bound(hp.kl_clip, batch or None, self.kl_clip_batch),
+            self.kl_clip_relative, kl, hp.lr)
+        nu = update_norm.scale(kl, kappa)
         for block, factor in zip(self.blocks, rho * nu):
             if factor != 1:
                 for param in block.params():
@@ -616,7 +613,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 state['header'](key, value)
             state['header']('held', snapshot.held(self.blocks))
         super().serialize(serializer)
-        self._relaxed.serialize(state['guard'])
+        self._relative_bound.serialize(state['guard'],
+                                       self.kl_clip_relative)
         if loading and not found:
             logger.warning('the snapshot holds no K-FAC state (another '
                            "optimizer's?): momentum and step count loaded, "

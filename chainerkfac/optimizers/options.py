@@ -3,6 +3,7 @@ hyperparameters, each raising ``ValueError`` (``TypeError`` for a wrong
 kind of schedule) that names the option and what it must be."""
 import difflib
 import inspect
+import math
 import numbers
 
 from chainerkfac import schedules
@@ -67,10 +68,14 @@ def check_hyperparameters(hp, when='construction'):
         value = getattr(hp, name)
         if name == 'kl_clip' and value is None:
             continue
-        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                or not in_range(value)):
+        if not (_real(value) and in_range(value)):
             raise ValueError('KFAC {} must be {}, got {!r} (at {})'.format(
                 name, rule, value, when))
+
+
+def _real(value):
+    """Whether ``value`` is a real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def choice(value, choices, what):
@@ -104,11 +109,10 @@ def positive_int(value, what, least=1):
 
 
 def real_at_least(value, what, least):
-    """``value`` if it is a real number >= ``least``."""
-    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-            or not value >= least):
-        raise ValueError('KFAC {} must be a real number >= {}, got {!r}'
-                         .format(what, least, value))
+    """``value`` if it is a finite real number >= ``least``."""
+    if not (_real(value) and least <= value < math.inf):
+        raise ValueError('KFAC {} must be a finite real number >= {}, got '
+                         '{!r}'.format(what, least, value))
     return value
 
 
