@@ -23,7 +23,9 @@ the grafted step, whose length follows the learning rate as MomentumSGD's
 does, the safety bound at its default or ``--graft-kl-clips``, adaptive
 intervals) at the base learning rates given, typically MomentumSGD's
 grid; the report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
-best base learning rate. The K-FAC rows below it are the natural step
+best base learning rate. ``--graft-relative LRS`` adds the same with the
+guard's bound relative to the run's own steps (``kfac_graft_rel10``:
+``kl_clip_relative=10``). The K-FAC rows below it are the natural step
 (``step_rule='natural'``), the default before grafting.
 
 ``--swap`` adds the one-line swap as it was before grafting:
@@ -73,6 +75,8 @@ OPTIMIZERS = {
     # The one-line swap at the defaults: KFAC(lr, momentum), its step as
     # long as MomentumSGD's per layer (step_rule 'graft'), no bound.
     'kfac_graft': {},
+    # The same with the bound relative to the run's own steps.
+    'kfac_graft_rel10': {'kl_clip_relative': 10},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
     'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
@@ -94,13 +98,13 @@ OPTIMIZERS = {
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
-         'kfac_swap_adaptive')
+         'kfac_swap_adaptive', 'kfac_graft_rel10')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of the natural
 #: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
 #: the one-line swap at MomentumSGD's best learning rate.
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
-        'kfac_default') + SWAPS[1:] + STALE
+        'kfac_default') + SWAPS[1:-1] + STALE + ('kfac_graft_rel10',)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
 
@@ -358,7 +362,7 @@ def plot(best, path):
     colors = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
                              'tab:gray', 'tab:brown', 'tab:olive',
                              'tab:pink', 'tab:orange', 'tab:green',
-                             'tab:purple')))
+                             'tab:purple', 'gold')))
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -441,6 +445,9 @@ def main(argv=None):
     parser.add_argument('--graft', default=None,
                         help='base lrs of the one-line swap at the defaults '
                         '(kfac_graft), e.g. MomentumSGD\'s grid')
+    parser.add_argument('--graft-relative', default=None,
+                        help='base lrs of the one-line swap with '
+                        'kl_clip_relative=10 (kfac_graft_rel10)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\', \'none\' '
                         'or numbers, each with every --graft lr')
@@ -491,6 +498,12 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for kl in args.graft_kl_clips.split(',')
                   for lr in args.graft.split(',')]
+    if args.graft_relative:
+        specs += [('kfac_graft_rel10', float(lr),
+                   chainerkfac.optimizers.KFAC().kl_clip, batch, seed,
+                   args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches
+                  for lr in args.graft_relative.split(',')]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)
