@@ -114,9 +114,9 @@ class DivergenceMonitor:
         self._warn(StallWarning, (
             "K-FAC stalls at iteration {}: {}, and {}. Use step_rule='graft'"
             ' (the default), whose steps follow the learning rate, and, at '
-            "MomentumSGD's learning rates, kl_clip_relative=10, which bounds "
-            "the steps relative to the run's smallest instead of by kl_clip "
-            'alone, or raise kl_clip; '
+            'learning rates of 0.1 or less, kl_clip_relative=10, which '
+            "bounds the steps relative to the run's smallest instead of by "
+            'kl_clip alone, or raise kl_clip; '
             'lowering the learning rate or kl_clip would shorten the steps '
             'further (docs/guide/tuning.md)').format(step, clipped, loss))
 
