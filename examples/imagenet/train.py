@@ -373,6 +373,9 @@ def main(argv=None):
         run_config.save(config, os.path.join(args.out, 'config.json'))
 
     trainer.run()
+    # Every process has written and pruned its snapshots before rank 0
+    # counts them.
+    comm.mpi_comm.barrier()
     if comm.rank == 0:
         print('{} after {} iterations ({:.2f} epochs) in {:.0f} s; log in {}'
               .format('stopped by a signal' if signals.stopped else 'done',
