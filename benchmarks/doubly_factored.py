@@ -5,7 +5,7 @@
         --jobs 2                                  # the grid, seed 0
     PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py train \\
         --seeds 1 --lrs-kfac 0.05 0.8 --lrs-sgd 0.05   # a second seed
-    PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py train \
+    PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py train \\
         --optimizers kfac_doubly_rel10 --lrs-kfac 0.05 0.8 --seeds 0 1
     PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py --report
 

@@ -175,7 +175,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             (:class:`~chainerkfac.update_norm.RelativeBound`): the guard binds
             where ``q`` grows over ``c`` times the smallest the run has
             had, not on the first steps of a network whose ``q`` starts
-            large and falls. ``None`` keeps the fixed bound.
+            large and falls. ``None`` keeps the fixed bound. Measured to
+            help at learning rates up to 0.1 and to let runs at 0.8-1.6
+            fall apart (``docs/guide/tuning.md``): an option, off by
+            default.
         kl_clip_batch (int or None): The global batch at which the bound is
             ``kl_clip``; it grows like the batch below it and like its
             square above it: ``κ = kl_clip · r · max(r, 1)``,
