@@ -25,7 +25,11 @@ intervals) at the base learning rates given, typically MomentumSGD's
 grid; the report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
 best base learning rate. ``--graft-relative LRS`` adds the same with the
 guard's bound relative to the run's own steps (``kfac_graft_rel10``:
-``kl_clip_relative=10``). The K-FAC rows below it are the natural step
+``kl_clip_relative=10``); ``--graft-decay LRS`` the same with the bound
+falling with the square of the schedule's factor after the warm-up
+(``kfac_graft_decay``: ``kl_clip`` set to ``κ · factor²`` from outside
+before each step, so that a bound step shortens with the learning rate
+as it decays). The K-FAC rows below them are the natural step
 (``step_rule='natural'``), the default before grafting.
 
 ``--swap`` adds the one-line swap as it was before grafting:
@@ -77,6 +81,8 @@ OPTIMIZERS = {
     'kfac_graft': {},
     # The same with the bound relative to the run's own steps.
     'kfac_graft_rel10': {'kl_clip_relative': 10},
+    # The same with the bound following the decay (not the warm-up).
+    'kfac_graft_decay': {},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
     'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
@@ -98,13 +104,14 @@ OPTIMIZERS = {
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
-         'kfac_swap_adaptive', 'kfac_graft_rel10')
+         'kfac_swap_adaptive', 'kfac_graft_rel10', 'kfac_graft_decay')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of the natural
 #: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
 #: the one-line swap at MomentumSGD's best learning rate.
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
-        'kfac_default') + SWAPS[1:-1] + STALE + ('kfac_graft_rel10',)
+        'kfac_default') + SWAPS[1:-2] + STALE + ('kfac_graft_rel10',
+                                                 'kfac_graft_decay')
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
 
@@ -139,7 +146,10 @@ def train(spec, decays=()):
     per-epoch curve. With Polyak averaging ``decays``
     (:class:`chainerkfac.PolyakAveraging`, one average per decay), each
     epoch also evaluates the model under each average: the curve's
-    ``averaged`` maps ``str(decay)`` to its accuracy and loss."""
+    ``averaged`` maps ``str(decay)`` to its accuracy and loss. A K-FAC
+    run's curve also says, per epoch, how often the update-norm guard
+    bound (``guard``: the fraction of steps whose ``kfac/update_scale`` ν
+    was below 1, and the median ν)."""
     name, base_lr, kl_clip, batch, seed, epochs, warmup_epochs = spec
     harness.limit_threads(1)
     harness.keep_freed_memory()
@@ -163,14 +173,21 @@ def train(spec, decays=()):
     curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
+        scales = []
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
             if options is not None and name not in SWAPS:
                 optimizer.kl_clip = kl_clip * factor * factor
-            loss_value, seconds = harness.train_step(model, optimizer,
-                                                     x_tr[idx], y_tr[idx])
+            elif name == 'kfac_graft_decay' and it >= warmup:
+                optimizer.kl_clip = kl_clip * factor * factor
+            observation = {}
+            with chainer.Reporter().scope(observation):
+                loss_value, seconds = harness.train_step(
+                    model, optimizer, x_tr[idx], y_tr[idx])
+            if 'kfac/update_scale' in observation:
+                scales.append(float(observation['kfac/update_scale']))
             wall += seconds
             it += 1
             t0 = time.perf_counter()
@@ -181,6 +198,10 @@ def train(spec, decays=()):
         curve.append({'epoch': epoch, 'seconds': wall,
                       'val_accuracy': accuracy, 'val_loss': val_loss,
                       'train_loss': loss_value})
+        if scales:
+            curve[-1]['guard'] = {
+                'bound_steps': sum(v < 1 for v in scales) / len(scales),
+                'median_update_scale': float(numpy.median(scales))}
         for decay, averaging in averages.items():
             with averaging.averaged():
                 accuracy, val_loss = evaluate(model, x_val, y_val)
@@ -362,7 +383,8 @@ def plot(best, path):
     colors = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
                              'tab:gray', 'tab:brown', 'tab:olive',
                              'tab:pink', 'tab:orange', 'tab:green',
-                             'tab:purple', 'gold')))
+                             'tab:purple', 'gold', 'magenta')))
+    assert len(colors) == len(ROWS), 'a colour for every row'
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -448,6 +470,9 @@ def main(argv=None):
     parser.add_argument('--graft-relative', default=None,
                         help='base lrs of the one-line swap with '
                         'kl_clip_relative=10 (kfac_graft_rel10)')
+    parser.add_argument('--graft-decay', default=None,
+                        help='base lrs of the one-line swap with the bound '
+                        'following the decay (kfac_graft_decay)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\', \'none\' '
                         'or numbers, each with every --graft lr')
@@ -504,6 +529,12 @@ def main(argv=None):
                    args.epochs, args.warmup)
                   for seed in range(args.seeds) for batch in batches
                   for lr in args.graft_relative.split(',')]
+    if args.graft_decay:
+        specs += [('kfac_graft_decay', float(lr),
+                   chainerkfac.optimizers.KFAC().kl_clip, batch, seed,
+                   args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches
+                  for lr in args.graft_decay.split(',')]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)

@@ -17,9 +17,11 @@ inverse of stale curvature that is far too small, cannot move the model
 further than the bound ``κ`` (the ``kl_clip`` option of
 :class:`~chainerkfac.optimizers.KFAC`) allows. The convention (no factor ½
 in ``q``) is kfac-pytorch's ``kl_clip``. Under the default grafted step the
-guard is a safety net, meant to bind only where a step would blow the
-model up; under the natural step (``step_rule='natural'``) at ordinary
-learning rates it sets every step (``docs/guide/tuning.md``).
+guard is a safety net at moderate learning rates, binding where a step
+would blow the model up; at a large-batch recipe's learning rates (1-2)
+it set every step until the last epochs of the decay, and under the
+natural step (``step_rule='natural'``) at ordinary learning rates it sets
+every step (``docs/guide/tuning.md``).
 
 The bound grows with the global batch ``B``: with ``r = B / B₀``,
 ``B₀`` the ``kl_clip_batch`` option (64 by default; ``None`` keeps

@@ -166,7 +166,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             ``q = lr² Σ_b ρ_b² ⟨F̂_b⁻¹∇_b, ∇_b⟩`` over the K-FAC blocks, so
             that the step's approximate KL change stays bounded. Under the
             grafted step a safety net: the default 1e-2 leaves ordinary
-            steps alone and stops those that would blow the model up. A
+            steps alone and stops those that would blow the model up; at
+            a large-batch recipe's learning rates (1-2) it sets most steps
+            (``docs/guide/tuning.md``). A
             hyperparameter: ``ExponentialShift('kl_clip', ...)`` gives it a
             schedule. ``None`` turns the guard off.
         kl_clip_relative (float or None): ``c``: the bound relative to the
