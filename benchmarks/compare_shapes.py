@@ -523,18 +523,12 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for kl in args.graft_kl_clips.split(',')
                   for lr in args.graft.split(',')]
-    if args.graft_relative:
-        specs += [('kfac_graft_rel10', float(lr),
-                   chainerkfac.optimizers.KFAC().kl_clip, batch, seed,
-                   args.epochs, args.warmup)
+    for name, lrs in (('kfac_graft_rel10', args.graft_relative),
+                      ('kfac_graft_decay', args.graft_decay)):
+        specs += [(name, float(lr), chainerkfac.optimizers.KFAC().kl_clip,
+                   batch, seed, args.epochs, args.warmup)
                   for seed in range(args.seeds) for batch in batches
-                  for lr in args.graft_relative.split(',')]
-    if args.graft_decay:
-        specs += [('kfac_graft_decay', float(lr),
-                   chainerkfac.optimizers.KFAC().kl_clip, batch, seed,
-                   args.epochs, args.warmup)
-                  for seed in range(args.seeds) for batch in batches
-                  for lr in args.graft_decay.split(',')]
+                  for lr in (lrs.split(',') if lrs else ())]
     specs = [s for s in specs if s[:6] not in done]
     _DATA['data'] = shapes.load()
     print('{} runs to go, {} kept'.format(len(specs), len(runs)), flush=True)
