@@ -110,8 +110,16 @@ STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
 #: the one-line swap at MomentumSGD's best learning rate.
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
-        'kfac_default') + SWAPS[1:-2] + STALE + ('kfac_graft_rel10',
-                                                 'kfac_graft_decay')
+        'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
+        'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
+                                         'kfac_graft_decay')
+#: A row's colour in the plot (every row has one: a run must not end in a
+#: KeyError after its training).
+COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
+                          'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
+                          'tab:orange', 'tab:green', 'tab:purple', 'gold',
+                          'magenta')))
+assert len(COLOURS) == len(ROWS)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
 
@@ -380,11 +388,6 @@ def plot(best, path):
     batches = sorted({b for b, _ in best})
     fig, axes = plt.subplots(len(batches), 4, squeeze=False,
                              figsize=(18, 4 * len(batches)))
-    colors = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
-                             'tab:gray', 'tab:brown', 'tab:olive',
-                             'tab:pink', 'tab:orange', 'tab:green',
-                             'tab:purple', 'gold', 'magenta')))
-    assert len(colors) == len(ROWS), 'a colour for every row'
     for row, batch in enumerate(batches):
         for name in ROWS:
             entry = best.get((batch, name))
@@ -398,7 +401,7 @@ def plot(best, path):
                         ('epoch', 'val_accuracy'), ('seconds', 'val_accuracy'),
                         ('epoch', 'val_loss'), ('seconds', 'val_loss'))):
                     axes[row, col].plot([p[x] for p in c], [p[y] for p in c],
-                                        color=colors[name], alpha=0.7,
+                                        color=COLOURS[name], alpha=0.7,
                                         label=label)
         for col, (x, y) in enumerate((
                 ('epoch', 'validation accuracy'),
