@@ -375,9 +375,14 @@ class FisherBlock:
 
     def clear_curvature(self):
         """Drops the factors and the inverse, as a process that does not
-        own the block holds none (after they moved to their owner)."""
+        own the block holds none (after they moved to their owner). The
+        statistics of the current step stay: every process collects them
+        for every block, and a snapshot resumed on another number of
+        processes moves curvature after the first backward, which may
+        have collected some."""
         self.factor = dict.fromkeys(self.factors)
-        self._sum = dict.fromkeys(self.factors)
+        self._sum = {f: self._sum[f] if self._count[f] else None
+                     for f in self.factors}
         self.form = None
         self.pending = None
 
