@@ -23,10 +23,18 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   larger ``kl_clip``. Lowering the learning rate or ``kl_clip``
   would only shorten the steps further.
 
-Each kind of warning is given once.
+Each kind of warning is given once. The monitor's state (the first and
+last losses, the hard clips in a row, the warnings given) is part of the
+optimizer's snapshot, so that a resumed run compares its losses with the
+same first loss as the uninterrupted one.
 """
+import logging
 import math
 import warnings
+
+import chainer
+
+logger = logging.getLogger(__name__)
 
 #: The loss counts as diverged above this multiple of the first loss.
 LOSS_GROWTH = 10.0
@@ -90,6 +98,34 @@ class DivergenceMonitor:
             if update_scale < HARD_SCALE else 0
         if self.hard_clips >= PATIENCE:
             self._guard_binds(step)
+
+    #: The snapshot keys and the warning each flag stands for.
+    _WARNED = (('warned_divergence', DivergenceWarning),
+               ('warned_stall', StallWarning))
+
+    def serialize(self, serializer):
+        """Saves or loads the monitor's state (a loss not seen yet as NaN);
+        a snapshot written before it held one leaves the monitor to start
+        afresh, which is said."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        try:
+            first, last = (float(serializer(
+                key, math.nan if loss is None else loss))
+                for key, loss in (('first_loss', self.first_loss),
+                                  ('last_loss', self.last_loss)))
+            clips = int(serializer('hard_clips', self.hard_clips))
+            warned = {category for key, category in self._WARNED
+                      if bool(serializer(key, category in self.warned))}
+        except KeyError:
+            logger.warning(
+                'the snapshot holds no state of the divergence monitor '
+                '(written by an older version): it compares the training '
+                'loss with that of the next step instead of the first')
+            return
+        if loading:
+            self.first_loss = None if math.isnan(first) else first
+            self.last_loss = None if math.isnan(last) else last
+            self.hard_clips, self.warned = clips, warned
 
     def _diverges(self, step, what):
         message = 'K-FAC diverges at iteration {}: {}'.format(step, what)

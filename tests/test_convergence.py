@@ -52,9 +52,12 @@ def test_default_kfac_does_not_diverge_at_momentum_sgd_learning_rates(
                           digits)
     # MomentumSGD trains the CNN at 0.03 and spikes to 2.3 times its first
     # loss at 0.1, then stays at it; K-FAC, whose steps are as long, spikes
-    # less, trains on and ends lower.
+    # to 1.8 times at most and trains on (its last losses 0.04-0.30 of its
+    # first). Which of the two ends lower at 0.03 is within the rounding of
+    # the machine's BLAS (0.590 against 0.590-0.605): the comparison of the
+    # optimizers is benchmarks/convergence_suite.py's, over seeds.
     assert kfac.max() < max(2.0 * kfac[0], sgd.max()), kfac
-    assert kfac[-5:].mean() < min(0.5 * kfac[0], sgd[-5:].mean()), kfac
+    assert kfac[-5:].mean() < 0.5 * kfac[0], kfac
     assert not warned
 
 

@@ -135,6 +135,30 @@ def test_overflowing_preconditioned_gradient_halves_a_dynamic_scale(
         assert numpy.isfinite(host(p.array)).all(), name
 
 
+def test_dynamic_loss_scale_resumes():
+    # Past the overflow (about step 12), a snapshot; the resumed run goes on
+    # from the same loss scale, grown as slowly as after an overflow.
+    def run(resume_at=None):
+        model, optimizer, loss, x, t = overflowing_run(dynamic=True)
+        for step in range(20):
+            if step == resume_at:
+                state, weights = {}, {}
+                chainer.serializers.DictionarySerializer(state).save(
+                    optimizer)
+                chainer.serializers.DictionarySerializer(weights).save(model)
+                model, optimizer, loss, x, t = overflowing_run(dynamic=True)
+                chainer.serializers.NpzDeserializer(weights).load(model)
+                chainer.serializers.NpzDeserializer(state).load(optimizer)
+            optimizer.update(loss, x, t)
+        return optimizer._loss_scale, [host(p.array) for p in model.params()]
+
+    scale, straight = run()
+    resumed_scale, resumed = run(resume_at=16)
+    assert resumed_scale == scale
+    for a, b in zip(straight, resumed):
+        numpy.testing.assert_array_equal(a, b)
+
+
 def test_overflowing_preconditioned_gradient_at_a_static_scale_names_it():
     model, optimizer, loss, x, t = overflowing_run(dynamic=False)
     before = {name: host(p.array).copy()

@@ -3,6 +3,7 @@ import glob
 import os
 import subprocess
 import sys
+import warnings
 
 import chainer
 import chainer.functions as F
@@ -119,10 +120,14 @@ def test_distributed_resume_with_split_blocks(tmp_path):
 def assert_close_runs(straight, resumed):
     """The fixtures' steps ran on NumPy 2's BLAS: on another one the runs
     agree to round-off, not bit for bit (a resume that lost state would
-    differ in the first digits)."""
+    differ in the first digits). The fixtures predate the divergence
+    monitor's state: the resumed monitor took its first loss at the resume
+    (it says so), which changes no step."""
     straight, resumed = numpy.load(straight), numpy.load(resumed)
     assert set(straight.files) == set(resumed.files)
     for key in straight.files:
+        if '/kfac/divergence/' in key:
+            continue
         if straight[key].dtype.kind in 'US':  # the K-FAC header's text
             assert resumed[key] == straight[key], key
             continue
@@ -360,3 +365,94 @@ def test_lazily_initialised_layers_load_before_the_model():
     kfac.setup(model)
     load(state, kfac)
     assert kfac.t == 2
+
+
+def resumable(make, steps_before, steps_after, step):
+    """``step(optimizer, model, i)`` for ``steps_before`` steps, a snapshot
+    loaded into a fresh optimizer and model, then ``steps_after`` more;
+    also the same steps uninterrupted. Returns the warnings each run
+    gave after the snapshot point and what each step raised, in order
+    (uninterrupted, resumed)."""
+    outcomes = []
+    for resume in (False, True):
+        numpy.random.seed(0)
+        model, optimizer = MLP(), make()
+        optimizer.setup(model)
+        for i in range(steps_before):
+            step(optimizer, model, i)
+        if resume:
+            state = {}
+            chainer.serializers.DictionarySerializer(state).save(optimizer)
+            weights = {}
+            chainer.serializers.DictionarySerializer(weights).save(model)
+            model, optimizer = MLP(), make()
+            optimizer.setup(model)
+            load(weights, model)
+            load(state, optimizer)
+        events = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for i in range(steps_before, steps_before + steps_after):
+                try:
+                    step(optimizer, model, i)
+                except Exception as e:  # what the step raised, compared
+                    events.append((i, type(e).__name__))
+        events += [w.category.__name__ for w in caught]
+        outcomes.append(events)
+    return outcomes
+
+
+def scaled_loss_step(factors):
+    """A step whose loss is the MLP's times ``factors[i]``."""
+    def step(optimizer, model, i):
+        rng = numpy.random.RandomState(i)
+        optimizer.update(
+            lambda x, t: factors[i] * F.softmax_cross_entropy(model(x), t),
+            rng.randn(8, 4).astype(numpy.float32), rng.randint(0, 3, 8))
+    return step
+
+
+def test_divergence_monitor_resumes_with_the_first_loss():
+    # The loss falls 100-fold, the run is resumed, its loss rises back to
+    # the first one: no divergence for the uninterrupted run, and none for
+    # the resumed one (which compared with the loss at the resume).
+    for divergence in ('warn', 'raise'):
+        straight, resumed = resumable(
+            lambda: chainerkfac.optimizers.KFAC(lr=1e-3,
+                                                divergence=divergence),
+            3, 2, scaled_loss_step([1, 0.01, 0.01, 0.01, 1]))
+        assert straight == resumed == [], (straight, resumed)
+    # A divergence warned before the snapshot is not warned again.
+    straight, resumed = resumable(
+        lambda: chainerkfac.optimizers.KFAC(lr=1e-3), 2, 2,
+        scaled_loss_step([1, 100, 1, 100]))
+    assert straight == resumed == [], (straight, resumed)
+
+
+def test_stall_count_resumes():
+    # 100 steps in a row whose guard scale is under 1e-3 while the loss
+    # (of one batch, again and again) does not fall: a StallWarning at
+    # step 100, resumed at 60 or not.
+    straight, resumed = resumable(
+        lambda: chainerkfac.optimizers.KFAC(lr=1e-3, kl_clip=1e-20,
+                                            kl_clip_batch=None),
+        60, 41, lambda optimizer, model, i: scaled_loss_step([1])(
+            optimizer, model, 0))
+    assert straight == resumed == ['StallWarning'], (straight, resumed)
+
+
+def test_skipped_steps_in_a_row_resume():
+    # max_skipped_steps=3: two NaN batches, a snapshot, a third one.
+    def step(optimizer, model, i):
+        rng = numpy.random.RandomState(i)
+        x = rng.randn(8, 4).astype(numpy.float32)
+        if i >= 2:
+            x[0, 0] = numpy.nan
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                         x, rng.randint(0, 3, 8))
+
+    straight, resumed = resumable(
+        lambda: chainerkfac.optimizers.KFAC(nonfinite='skip',
+                                            max_skipped_steps=3), 4, 1, step)
+    assert straight == resumed == [(4, 'NonFiniteError')], (straight,
+                                                           resumed)

@@ -591,7 +591,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     # -- state --------------------------------------------------------------
 
     def serialize(self, serializer):
-        """Saves or loads momentum, step counters and all K-FAC state.
+        """Saves or loads momentum, step counters and all K-FAC state:
+        every block's factors, inverses (one on its way under
+        ``inverse_delay`` included) and refresh schedules, the relative
+        bound's ``m_t``, the divergence monitor's first loss and counts,
+        the steps skipped in a row and a dynamic loss scale, so that a
+        resumed run takes the steps an uninterrupted one takes.
 
         The K-FAC state starts with a header: the process's rank and the
         number of processes, the inverse form, the BatchNorm Fisher, every
@@ -625,6 +630,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                            "optimizer's?): momentum and step count loaded, "
                            'the curvature starts afresh')
             return
+        self._monitor.serialize(state['divergence'])
+        self.serialize_checks(state['nonfinite'])
         names = {block.name for block in self.blocks}
         if isinstance(found, tuple):
             saved_rank, saved_size, held = found

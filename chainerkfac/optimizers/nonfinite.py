@@ -39,6 +39,30 @@ class FiniteChecks:
                     self._last_nonfinite or 'none, another process or the '
                     'loss scaling skipped', self.max_skipped_steps))
 
+    def serialize_checks(self, serializer):
+        """Saves or loads what the checks carry from step to step: the
+        count of steps skipped in a row, the last non-finite gradient's
+        name and, under Chainer's dynamic loss scaling, the loss scale and
+        whether a step ever overflowed (which sets how fast the scale
+        grows back). A snapshot written before it held them leaves the
+        count at 0 and the scale where :meth:`loss_scaling` put it."""
+        try:
+            count = int(serializer('skipped_in_a_row',
+                                   self._skipped_in_a_row))
+            name = str(serializer('last_nonfinite',
+                                  self._last_nonfinite or ''))
+            if self._loss_scaling_is_dynamic:
+                # Chainer's Optimizer.serialize keeps neither.
+                scale = float(serializer('loss_scale', self._loss_scale))
+                overflowed = bool(serializer(
+                    'loss_scale_overflowed', self._loss_scaling_isnan_ever))
+        except KeyError:
+            return
+        self._skipped_in_a_row, self._last_nonfinite = count, name or None
+        if self._loss_scaling_is_dynamic:
+            self._loss_scale = scale
+            self._loss_scaling_isnan_ever = overflowed
+
     def _preconditioned_fit(self):
         """Whether the preconditioned gradients of float16 parameters are
         finite.
