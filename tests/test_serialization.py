@@ -454,5 +454,5 @@ def test_skipped_steps_in_a_row_resume():
     straight, resumed = resumable(
         lambda: chainerkfac.optimizers.KFAC(nonfinite='skip',
                                             max_skipped_steps=3), 4, 1, step)
-    assert straight == resumed == [(4, 'NonFiniteError')], (straight,
-                                                           resumed)
+    assert straight == resumed == [(4, 'NonFiniteError')], \
+        (straight, resumed)
