@@ -32,6 +32,12 @@ before each step, so that a bound step shortens with the learning rate
 as it decays). The K-FAC rows below them are the natural step
 (``step_rule='natural'``), the default before grafting.
 
+``--quadratic-model`` adds K-FAC whose step length, momentum and damping
+come from the loss's quadratic model at every step
+(``kfac_quadratic_model``: ``step_rule='adaptive'``, Martens & Grosse
+2015 §6-7, kfac-jax's adaptive mode); it takes no learning rate (the
+schedule is applied and ignored) and no guard.
+
 ``--swap`` adds the one-line swap as it was before grafting:
 ``KFAC(lr, momentum, step_rule='natural')`` at the bound of then (1e-4),
 which is left alone while the learning rate follows the schedule
@@ -101,6 +107,9 @@ OPTIMIZERS = {
     'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100,
                          'step_rule': 'natural'},
     'kfac_swap_adaptive': {'step_rule': 'natural'},
+    # The step length, momentum and damping from the loss's quadratic model
+    # (kfac-jax's adaptive mode): no learning rate, no guard.
+    'kfac_quadratic_model': {'step_rule': 'adaptive'},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
@@ -112,13 +121,14 @@ STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
         'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
         'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
-                                         'kfac_graft_decay')
+                                         'kfac_graft_decay',
+                                         'kfac_quadratic_model')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
                           'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
                           'tab:orange', 'tab:green', 'tab:purple', 'gold',
-                          'magenta')))
+                          'magenta', 'darkred')))
 assert len(COLOURS) == len(ROWS)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
@@ -157,7 +167,8 @@ def train(spec, decays=()):
     ``averaged`` maps ``str(decay)`` to its accuracy and loss. A K-FAC
     run's curve also says, per epoch, how often the update-norm guard
     bound (``guard``: the fraction of steps whose ``kfac/update_scale`` ν
-    was below 1, and the median ν)."""
+    was below 1, and the median ν); under the quadratic model, its median
+    α, μ and damping (``quadratic_model``)."""
     name, base_lr, kl_clip, batch, seed, epochs, warmup_epochs = spec
     harness.limit_threads(1)
     harness.keep_freed_memory()
@@ -171,8 +182,13 @@ def train(spec, decays=()):
     else:
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 kl_clip=kl_clip, **options)
-    optimizer.setup(model)
+    # The quadratic model's step needs update(classifier, x, t).
+    net = chainer.links.Classifier(model) if options and \
+        options.get('step_rule') == 'adaptive' else model
+    optimizer.setup(net)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', net)
     averages = {str(d): chainerkfac.PolyakAveraging(model, d)
                 for d in decays}
     steps = len(x_tr) // batch
@@ -181,21 +197,24 @@ def train(spec, decays=()):
     curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
-        scales = []
+        scales, chosen = [], []
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
-            if options is not None and name not in SWAPS:
+            if kl_clip is not None and name not in SWAPS:
                 optimizer.kl_clip = kl_clip * factor * factor
             elif name == 'kfac_graft_decay' and it >= warmup:
                 optimizer.kl_clip = kl_clip * factor * factor
             observation = {}
-            with chainer.Reporter().scope(observation):
+            with reporter.scope(observation):
                 loss_value, seconds = harness.train_step(
-                    model, optimizer, x_tr[idx], y_tr[idx])
+                    net, optimizer, x_tr[idx], y_tr[idx])
             if 'kfac/update_scale' in observation:
                 scales.append(float(observation['kfac/update_scale']))
+            if 'kfac/alpha' in observation:
+                chosen.append([float(observation[k]) for k in (
+                    'kfac/alpha', 'kfac/mu', 'kfac/damping')])
             wall += seconds
             it += 1
             t0 = time.perf_counter()
@@ -210,6 +229,10 @@ def train(spec, decays=()):
             curve[-1]['guard'] = {
                 'bound_steps': sum(v < 1 for v in scales) / len(scales),
                 'median_update_scale': float(numpy.median(scales))}
+        if chosen:
+            curve[-1]['quadratic_model'] = dict(zip(
+                ('median_alpha', 'median_mu', 'median_damping'),
+                numpy.median(chosen, axis=0).tolist()))
         for decay, averaging in averages.items():
             with averaging.averaged():
                 accuracy, val_loss = evaluate(model, x_val, y_val)
@@ -479,6 +502,11 @@ def main(argv=None):
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\', \'none\' '
                         'or numbers, each with every --graft lr')
+    parser.add_argument('--quadratic-model', action='store_true',
+                        help='also K-FAC with the step length, momentum and '
+                        'damping from the quadratic model '
+                        "(kfac_quadratic_model: step_rule='adaptive', no "
+                        'learning rate, no guard)')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -526,6 +554,10 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for kl in args.graft_kl_clips.split(',')
                   for lr in args.graft.split(',')]
+    if args.quadratic_model:
+        specs += [('kfac_quadratic_model', 0.1, None, batch, seed,
+                   args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches]
     for name, lrs in (('kfac_graft_rel10', args.graft_relative),
                       ('kfac_graft_decay', args.graft_decay)):
         specs += [(name, float(lr), chainerkfac.optimizers.KFAC().kl_clip,

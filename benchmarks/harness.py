@@ -68,10 +68,16 @@ class DevicePeakMemory:
 
 def train_step(model, optimizer, x, t):
     """One classification step, timed: softmax cross-entropy of
-    ``model(x)`` against ``t``, backward, ``optimizer.update()``. Returns
+    ``model(x)`` against ``t``, backward, ``optimizer.update()``; a
+    ``chainer.links.Classifier`` is passed to ``optimizer.update(model, x,
+    t)`` instead (K-FAC's ``step_rule='adaptive'`` needs it). Returns
     ``(loss, seconds)``."""
     import chainer.functions as F
+    import chainer.links as L
     t0 = time.perf_counter()
+    if isinstance(model, L.Classifier):
+        optimizer.update(model, x, t)
+        return float(model.loss.array), time.perf_counter() - t0
     model.cleargrads()
     loss = F.softmax_cross_entropy(model(x), t)
     loss.backward()

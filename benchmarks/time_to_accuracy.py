@@ -161,7 +161,14 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               # update_norm.RelativeBound).
               'kfac_adaptive_rel10': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip_relative': 10}}
+                  'inverse_interval': 1, 'kl_clip_relative': 10},
+              # The step length, momentum and damping from the loss's
+              # quadratic model (kfac-jax's adaptive mode): the learning
+              # rate is not used, no guard.
+              'kfac_adaptive_quadratic_model': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'adaptive',
+                  'kl_clip': None}}
 
 
 def make_optimizer(name, lr, intervals):
@@ -187,7 +194,11 @@ def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
     numpy.random.seed(seed)
     model = task['model']()
     optimizer = make_optimizer(opt_name, lr, intervals)
-    optimizer.setup(model)
+    # The quadratic model's step needs update(classifier, x, t).
+    net = chainer.links.Classifier(model) if getattr(
+        optimizer, 'step_rule', None) is not None and \
+        optimizer.step_rule.chooses_update else model
+    optimizer.setup(net)
     rng = numpy.random.RandomState(seed)
     order, pos = rng.permutation(len(x_tr)), 0
     curve, wall, reached = [], 0.0, None
@@ -196,7 +207,7 @@ def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
             order, pos = rng.permutation(len(x_tr)), 0
         idx = order[pos:pos + batch]
         pos += batch
-        loss_value, seconds = harness.train_step(model, optimizer,
+        loss_value, seconds = harness.train_step(net, optimizer,
                                                  x_tr[idx], y_tr[idx])
         wall += seconds
         if not numpy.isfinite(loss_value):

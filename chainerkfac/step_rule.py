@@ -107,6 +107,12 @@ class StepRule:
     #: Whether the rule needs ``⟨g_b, (F_b + λ_b) g_b⟩`` (which costs a
     #: product with the factors on every step).
     needs_curvature_inner = False
+    #: Whether the rule chooses the whole update, momentum included, and
+    #: the damping (:mod:`chainerkfac.optimizers.quadratic_model`): the
+    #: optimizer then calls its ``check``, ``keep_gradient``, ``choose``
+    #: and ``after_update`` around the step, and the guard is off (the
+    #: rule's ``α`` would undo it).
+    chooses_update = False
 
     def scales(self, terms):
         """``ρ`` per block (a NumPy vector) from ``terms``, a NumPy array
@@ -155,6 +161,15 @@ class RelativeKL(StepRule):
 
 
 RULES = {rule.name: rule for rule in (Graft, Natural, RelativeKL)}
+
+
+def register(rule):
+    """Adds the :class:`StepRule` class ``rule`` to :data:`RULES` under its
+    ``name`` (the optimizer's own rules, such as
+    :class:`chainerkfac.optimizers.quadratic_model.QuadraticModel`, which
+    runs forward passes of the model)."""
+    RULES[rule.name] = rule
+    return rule
 
 
 def get(value):

@@ -11,6 +11,7 @@ import pytest
 
 import chainerkfac
 from chainerkfac.curvature import base
+from tests import snapshot_helpers
 from tests.device import host, place, send
 
 
@@ -142,13 +143,10 @@ def test_dynamic_loss_scale_resumes():
         model, optimizer, loss, x, t = overflowing_run(dynamic=True)
         for step in range(20):
             if step == resume_at:
-                state, weights = {}, {}
-                chainer.serializers.DictionarySerializer(state).save(
-                    optimizer)
-                chainer.serializers.DictionarySerializer(weights).save(model)
-                model, optimizer, loss, x, t = overflowing_run(dynamic=True)
-                chainer.serializers.NpzDeserializer(weights).load(model)
-                chainer.serializers.NpzDeserializer(state).load(optimizer)
+                fresh = overflowing_run(dynamic=True)
+                model, optimizer = snapshot_helpers.reloaded(
+                    model, optimizer, lambda: fresh[:2])
+                loss, x, t = fresh[2:]
             optimizer.update(loss, x, t)
         return optimizer._loss_scale, [host(p.array) for p in model.params()]
 

@@ -14,6 +14,7 @@ import pytest
 import chainerkfac
 
 from tests import mpi_helpers
+from tests import snapshot_helpers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -367,6 +368,11 @@ def test_lazily_initialised_layers_load_before_the_model():
     assert kfac.t == 2
 
 
+def set_up(model, optimizer):
+    optimizer.setup(model)
+    return model, optimizer
+
+
 def resumable(make, steps_before, steps_after, step):
     """``step(optimizer, model, i)`` for ``steps_before`` steps, a snapshot
     loaded into a fresh optimizer and model, then ``steps_after`` more;
@@ -376,19 +382,12 @@ def resumable(make, steps_before, steps_after, step):
     outcomes = []
     for resume in (False, True):
         numpy.random.seed(0)
-        model, optimizer = MLP(), make()
-        optimizer.setup(model)
+        model, optimizer = set_up(MLP(), make())
         for i in range(steps_before):
             step(optimizer, model, i)
         if resume:
-            state = {}
-            chainer.serializers.DictionarySerializer(state).save(optimizer)
-            weights = {}
-            chainer.serializers.DictionarySerializer(weights).save(model)
-            model, optimizer = MLP(), make()
-            optimizer.setup(model)
-            load(weights, model)
-            load(state, optimizer)
+            model, optimizer = snapshot_helpers.reloaded(
+                model, optimizer, lambda: set_up(MLP(), make()))
         events = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')

@@ -32,6 +32,7 @@ from chainerkfac.curvature import registry
 from chainerkfac.optimizers import accumulation
 from chainerkfac.optimizers import nonfinite
 from chainerkfac.optimizers import options
+from chainerkfac.optimizers import quadratic_model  # NOQA  (its rule)
 from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages as stages_module
 
@@ -77,7 +78,13 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             grafting, Agarwal et al. 2020); ``'natural'`` the
             natural-gradient step ``η F̂⁻¹∇`` (the default before
             grafting); ``'relative_kl'`` the natural step bounded by the KL
-            change of SGD's step.
+            change of SGD's step; ``'adaptive'`` the natural direction with
+            its length, the momentum and the damping chosen by the loss's
+            quadratic model at every step (Martens & Grosse 2015 §6-7,
+            :mod:`chainerkfac.optimizers.quadratic_model`): ``lr`` and
+            ``momentum`` are then not used, ``damping`` is the first
+            ``λ``, the guard is off; it needs ``update(classifier, x, t)``
+            with a ``chainer.links.Classifier`` of softmax cross-entropy.
         damping (float): Tikhonov damping ε (see :mod:`chainerkfac.linalg`
             for how each inverse applies it).
         cov_ema_decay (float): Weight of the *old* statistics in
@@ -422,6 +429,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         options.check_hyperparameters(self.hyperparam,
                                       'iteration {}'.format(self.t + 1))
         self._stages.prepare(self)
+        if self.step_rule.chooses_update:
+            self.step_rule.check(self, lossfun)
         # The forward pass moves BatchNorm's running averages: put them back
         # when the step is skipped or raises.
         running = [] if lossfun is None else \
@@ -473,13 +482,22 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         taken = self._stages.agree(self.is_safe_to_update()
                                    and self._check_finite_gradients())
         scale = None
+        rule = self.step_rule if self.step_rule.chooses_update else None
+        if rule:
+            params = [p for p in self.target.params() if p.grad is not None]
         if taken:
+            if rule:
+                rule.keep_gradient(params)
             scale = self.update_curvature(stats, samples)
             taken = self._preconditioned_fit()
         if taken:
+            if rule:
+                rule.choose(self, params, lossfun, args, kwds, mean_loss)
             self._relative_bound.accept()
             for param in self.target.params():
                 param.update()
+            if rule:
+                rule.after_update(self, lossfun)
         self.reallocate_cleared_grads()
         self.call_hooks('post')
         self.update_loss_scale()
@@ -567,9 +585,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         rho = self.step_rule.scales(terms)
         kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
                                      scale)
-        kappa = self._relative_bound.bound(
-            update_norm.bound(hp.kl_clip, batch or None, self.kl_clip_batch),
-            self.kl_clip_relative, kl, hp.lr)
+        kappa = None if self.step_rule.chooses_update else \
+            self._relative_bound.bound(
+                update_norm.bound(hp.kl_clip, batch or None,
+                                  self.kl_clip_batch),
+                self.kl_clip_relative, kl, hp.lr)
         nu = update_norm.scale(kl, kappa)
         for block, factor in zip(self.blocks, rho * nu):
             if factor != 1:
@@ -631,6 +651,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                            'the curvature starts afresh')
             return
         self._monitor.serialize(state['divergence'])
+        if self.step_rule.chooses_update:
+            self.step_rule.serialize(state['adaptive'], self.damping)
         self.serialize_checks(state['nonfinite'])
         names = {block.name for block in self.blocks}
         if isinstance(found, tuple):
