@@ -455,3 +455,31 @@ def test_skipped_steps_in_a_row_resume():
                                             max_skipped_steps=3), 4, 1, step)
     assert straight == resumed == [(4, 'NonFiniteError')], \
         (straight, resumed)
+
+
+def test_snapshot_loaded_on_some_ranks_only_is_refused(tmp_path):
+    # Rank 0 alone loads its file: instead of every rank waiting in
+    # another collective, each says which ranks loaded and which did not.
+    half = run_distributed(tmp_path, 'half', 0, 5)
+    result = mpi_helpers.run_mpi(2, '''
+import sys
+import numpy
+import chainer
+import chainerkfac
+from tests import resume_run
+model = resume_run.CNN()
+optimizer = chainerkfac.create_multi_node_optimizer(
+    resume_run.make_optimizer('cholesky', 'graft', None),
+    chainerkfac.create_communicator('naive'))
+optimizer.setup(model)
+if optimizer.stages.rank_and_size()[0] == 0:
+    chainer.serializers.NpzDeserializer(
+        numpy.load(sys.argv[1] + '.rank0.npz'),
+        path='optimizer/').load(optimizer)
+x = numpy.zeros((3, 1, 6, 6), numpy.float32)
+optimizer.update(lambda x: chainer.functions.sum(model(x)), x)
+''', [half], timeout=60)
+    assert result.returncode != 0
+    assert ('rank 0 at iteration 5, snapshot loaded, rank 1 at iteration 0'
+            in result.stderr), result.stderr
+    assert 'loaded on rank(s) 0 only' in result.stderr, result.stderr

@@ -113,8 +113,31 @@ class HybridParallelStages(stages.Stages):
     def rank_and_size(self):
         return self.comm.rank, self.comm.size
 
+    def _check_same_step(self, optimizer):
+        """Every rank at the same iteration, and each resuming from a
+        snapshot or none: a snapshot loaded on some ranks only would leave
+        them in different collectives, each waiting for the others. Two
+        small collectives an update."""
+        with timing.timed(self.comm.stage_timer, 'communication'):
+            states = self.comm.bcast_obj(self.comm.gather_obj(
+                (optimizer.t, optimizer.resuming)))
+        if len(set(states)) == 1:
+            return
+        loaded = [rank for rank, (_, resuming) in enumerate(states)
+                  if resuming]
+        raise ValueError(
+            'the ranks are at different iterations or not all resume a '
+            'snapshot: {}. Every rank loads its own snapshot files '
+            '(chainerkfac.snapshot_files) before the next update{}'.format(
+                ', '.join('rank {} at iteration {}{}'.format(
+                    rank, t, ', snapshot loaded' if resuming else '')
+                    for rank, (t, resuming) in enumerate(states)),
+                '' if not loaded else ' (loaded on rank(s) {} only)'.format(
+                    ', '.join(map(str, loaded)))))
+
     def prepare(self, optimizer):
         self.comm.stage_timer = optimizer.stage_timer
+        self._check_same_step(optimizer)
         if self._needs_broadcast:
             self._broadcast_parameters(optimizer)
         hooks = optimizer.whole_model_hooks()

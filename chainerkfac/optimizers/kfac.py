@@ -370,6 +370,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         return self
 
     @property
+    def resuming(self):
+        """Whether a snapshot was loaded since the last update (the next
+        one moves its curvature to this run's owners)."""
+        return self._resume is not None
+
+    @property
     def stages(self):
         """The :class:`~chainerkfac.optimizers.stages.Stages` the step runs
         through (read-only; :meth:`use_stages` replaces them)."""
