@@ -216,3 +216,27 @@ def test_split_blocks_move_gradient_copies_and_inverse_slices(shared):
                                  ['--split'] + shared, timeout=120,
                                  check=True)
     assert 'split bytes ok' in result.stdout
+
+
+def test_unequal_batches_are_refused_naming_each_rank():
+    # 16 samples on rank 0 and 8 on rank 1: averaged with equal weights,
+    # rank 1's samples would count twice; every rank says so instead.
+    result = mpi_helpers.run_mpi(2, '''
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+import chainerkfac
+comm = chainerkfac.create_communicator('naive')
+model = L.Classifier(L.Linear(4, 3))
+optimizer = chainerkfac.create_multi_node_optimizer(
+    chainerkfac.optimizers.KFAC(), comm)
+optimizer.setup(model)
+n = 16 if comm.rank == 0 else 8
+rng = numpy.random.RandomState(comm.rank)
+optimizer.update(model, rng.randn(n, 4).astype(numpy.float32),
+                 rng.randint(0, 3, n))
+''', timeout=60)
+    assert result.returncode != 0
+    assert ('batches of different sizes at iteration 1 (rank 0: 16, '
+            'rank 1: 8)') in result.stderr, result.stderr

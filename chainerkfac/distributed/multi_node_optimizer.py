@@ -395,17 +395,18 @@ class HybridParallelStages(stages.Stages):
         values = backend.CpuDevice().send(
             everything[numpy.concatenate(slots)]).astype(numpy.float64)
         totals = numpy.zeros((len(blocks), step_rule.N_TERMS))
-        batch, digests, offset = 0.0, [], 0
+        sizes, digests, offset = [], [], 0
         for items, rank_slots in zip(by_rank, slots):
             segment = values[offset:offset + len(rank_slots)]
             offset += len(rank_slots)
             rows = segment[:-2].reshape(-1, step_rule.N_TERMS)
             for (i, _), row in zip(items, rows):
                 totals[i] += row
-            batch += segment[-2]
+            sizes.append(int(segment[-2]))
             digests.append(segment[-1])
         if len(set(digests)) > 1:
             self._check_options(optimizer)
+        _check_equal_batches(sizes, optimizer.t)
         step = optimizer.t
         assembled = {i: xp.empty(layout.shapes[i], dtype=dtype)
                      for i in splits}
@@ -427,4 +428,22 @@ class HybridParallelStages(stages.Stages):
                     blocks[i].schedules[f].follow(step, interval)
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
-        return totals, batch
+        return totals, float(sum(sizes))
+
+
+def _check_equal_batches(sizes, step):
+    """Raises ``ValueError`` naming each rank's batch where the ranks fed
+    batches of different sizes: the gradients and statistics are averaged
+    over ranks with equal weights, which would count each sample of a
+    smaller batch more than one process on the same samples does. (A rank
+    whose forward passes were not counted, 0, is left alone.)"""
+    if min(sizes) > 0 and len(set(sizes)) > 1:
+        raise ValueError(
+            'the ranks fed batches of different sizes at iteration {} ({}): '
+            'distributed K-FAC averages the ranks with equal weights, '
+            'which equals one process on the same samples only when every '
+            'rank has as many; give every rank the same batch size '
+            '(chainermn.scatter_dataset shards of equal length, a '
+            'repeating iterator)'.format(step, ', '.join(
+                'rank {}: {}'.format(rank, n)
+                for rank, n in enumerate(sizes))))
