@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy
 import pytest
@@ -240,3 +241,27 @@ optimizer.update(model, rng.randn(n, 4).astype(numpy.float32),
     assert result.returncode != 0
     assert ('batches of different sizes at iteration 1 (rank 0: 16, '
             'rank 1: 8)') in result.stderr, result.stderr
+
+
+def test_rank_that_leaves_its_loop_early_is_named():
+    # Rank 1 stops after 2 updates; rank 0 starts a third and, 3 s later,
+    # names rank 1 and the iteration; the job ends instead of hanging.
+    start = time.monotonic()
+    result = mpi_helpers.run_mpi(2, '''
+import chainer.links as L
+import numpy
+import chainerkfac
+comm = chainerkfac.create_communicator('naive')
+model = L.Classifier(L.Linear(4, 3))
+optimizer = chainerkfac.create_multi_node_optimizer(
+    chainerkfac.optimizers.KFAC(), comm, arrival_deadline=3)
+optimizer.setup(model)
+rng = numpy.random.RandomState(comm.rank)
+for step in range(3 if comm.rank == 0 else 2):
+    optimizer.update(model, rng.randn(8, 4).astype(numpy.float32),
+                     rng.randint(0, 3, 8))
+''', timeout=60)
+    assert result.returncode != 0
+    assert ('ArrivalTimeout: K-FAC iteration 3: waited 3 s for rank(s) 1 '
+            'to start it') in result.stderr, result.stderr
+    assert time.monotonic() - start < 30

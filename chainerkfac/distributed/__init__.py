@@ -13,6 +13,7 @@ from chainerkfac.distributed.assignment import Assignment  # NOQA
 from chainerkfac.distributed.assignment import BlockCost  # NOQA
 from chainerkfac.distributed.consistency import check_same_options  # NOQA
 from chainerkfac.distributed.consistency import check_same_structure  # NOQA
+from chainerkfac.distributed.communicator import ArrivalTimeout  # NOQA
 from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA
     install_global_except_hook)
@@ -87,13 +88,15 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
 
 
 def create_multi_node_optimizer(actual_optimizer, communicator,
-                                max_load_imbalance=1.1):
+                                max_load_imbalance=1.1,
+                                arrival_deadline=1800):
     """Makes an optimizer distributed, as ChainerMN's function of that name.
 
     For :class:`~chainerkfac.optimizers.KFAC` the optimizer itself is
     returned, now running the hybrid-parallel stages of
     :class:`HybridParallelStages` over ``communicator`` (with
-    ``max_load_imbalance``, see there); other optimizers are wrapped by
+    ``max_load_imbalance`` and ``arrival_deadline``, 30 minutes by default,
+    see there); other optimizers are wrapped by
     :func:`chainermn.create_multi_node_optimizer` (data-parallel gradient
     averaging).
 
@@ -111,7 +114,8 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
                 'model and its curvature over the processes; leave '
                 'independent_processes False')
         actual_optimizer.use_stages(HybridParallelStages(
-            _kfac_communicator(communicator), max_load_imbalance))
+            _kfac_communicator(communicator), max_load_imbalance,
+            arrival_deadline))
         return actual_optimizer
     return chainermn.create_multi_node_optimizer(actual_optimizer,
                                                  communicator)

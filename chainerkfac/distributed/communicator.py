@@ -19,7 +19,10 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
   split block factor its larger Kronecker factor together, one column panel
   after another (:mod:`chainerkfac.distributed.cholesky`);
 * :meth:`~KfacCommunicatorMixin.allreduce_mean` and
-  :meth:`~KfacCommunicatorMixin.bcast_array` for the rest.
+  :meth:`~KfacCommunicatorMixin.bcast_array` for the rest;
+* :meth:`~KfacCommunicatorMixin.arrive`: every rank's small value, with a
+  deadline after which the ranks that did not send theirs are named
+  (:class:`ArrivalTimeout`) instead of waited for.
 
 Together the two ``v`` collectives move what one allreduce moves (an
 allreduce is a reduce-scatter followed by an all-gather), which is why the
@@ -36,6 +39,7 @@ on a machine with neither.
 """
 import abc
 import functools
+import time
 
 import numpy
 
@@ -50,6 +54,15 @@ from chainerkfac.distributed import scaling
 #: ``bcast_array``, ``bcast_data`` and ``group_bcast``.
 COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
                'bcast')
+
+
+class ArrivalTimeout(RuntimeError):
+    """Ranks did not reach :meth:`KfacCommunicatorMixin.arrive` in time."""
+
+
+#: The tag of :meth:`KfacCommunicatorMixin.arrive`'s messages (on a
+#: communicator of their own).
+_ARRIVAL_TAG = 2039
 
 
 def _communication(collective):
@@ -158,6 +171,45 @@ class KfacCommunicatorMixin(abc.ABC):
         if name == 'transport_dtype':
             return self.transport_dtype
         return super().get_config(name)
+
+    # A rendezvous with a deadline.
+
+    def arrive(self, value, deadline, what):
+        """Every rank's ``value`` (a small picklable object), in rank order.
+
+        Rank 0 collects the values point to point and sends every rank the
+        list. With ``deadline`` seconds (``None``: wait for ever), rank 0
+        raises :class:`ArrivalTimeout` naming the ranks whose value did not
+        come in that time and ``what`` they were to start (the global
+        except hook then ends the job); another rank waits a little longer
+        for rank 0's answer before naming rank 0. A blocking collective
+        could only wait: the ranks that never arrive stay unknown.
+        """
+        size = self.mpi_comm.size
+        if size == 1:
+            return [value]
+        comm = getattr(self, '_arrival_comm', None)
+        if comm is None:
+            comm = self._arrival_comm = self.mpi_comm.Dup()
+        rank, start = comm.rank, time.monotonic()
+        if rank == 0:
+            pending = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG)
+                       for r in range(1, size)}
+            values = {0: value}
+            _wait(pending, values, start, deadline, what,
+                  lambda ranks: 'rank(s) ' + ', '.join(map(str, ranks)))
+            everyone = [values[r] for r in range(size)]
+            for r in range(1, size):
+                comm.send(everyone, dest=r, tag=_ARRIVAL_TAG)
+            return everyone
+        sent = comm.isend(value, dest=0, tag=_ARRIVAL_TAG)
+        answer = {0: comm.irecv(source=0, tag=_ARRIVAL_TAG)}
+        received = {}
+        _wait(answer, received, start,
+              None if deadline is None else 1.1 * deadline + 5, what,
+              lambda ranks: "rank 0, which gathers every rank's arrival,")
+        sent.wait()
+        return received[0]
 
     # Byte counters.
 
@@ -412,3 +464,30 @@ class KfacCommunicatorMixin(abc.ABC):
         return wire, scales
 
     _decode = staticmethod(scaling.decode)
+
+
+def _wait(pending, values, start, deadline, what, who):
+    """Moves the values of the completed requests of ``pending`` (rank ->
+    request) into ``values`` until none is pending; after ``deadline``
+    seconds from ``start`` raises :class:`ArrivalTimeout`, naming the ranks
+    still pending by ``who(ranks)``. Polls with a growing pause (up to
+    2 ms), so that a waiting rank leaves its core to the ones at work."""
+    pause = 1e-5
+    while pending:
+        for r, request in list(pending.items()):
+            done, value = request.test()
+            if done:
+                values[r] = value
+                del pending[r]
+        if not pending:
+            return
+        waited = time.monotonic() - start
+        if deadline is not None and waited > deadline:
+            raise ArrivalTimeout(
+                '{}: waited {:.0f} s for {} to start it: a rank that left '
+                'its training loop early, or is still busy with work of its '
+                'own (every rank calls update() as many times; '
+                'create_multi_node_optimizer(..., arrival_deadline=None) '
+                'waits for ever)'.format(what, waited, who(sorted(pending))))
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)

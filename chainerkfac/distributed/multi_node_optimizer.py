@@ -69,16 +69,29 @@ class HybridParallelStages(stages.Stages):
             imbalance (max/mean, see
             :func:`~chainerkfac.distributed.assign_blocks`) is at most this;
             ``None`` gives every block a single rank.
+        arrival_deadline (float or None): Seconds the ranks wait at the
+            start of an update for every rank to start it too; after that
+            rank 0 raises :class:`~chainerkfac.distributed.ArrivalTimeout`
+            naming the ranks that did not and the iteration, and the job
+            ends (instead of hanging in the step's first collective).
+            ``None`` waits for ever.
     """
 
-    def __init__(self, communicator, max_load_imbalance=1.1):
+    def __init__(self, communicator, max_load_imbalance=1.1,
+                 arrival_deadline=1800):
         if max_load_imbalance is not None and not (
                 isinstance(max_load_imbalance, numbers.Real)
                 and max_load_imbalance >= 1):
             raise ValueError('max_load_imbalance must be a number >= 1 or '
                              'None, got {!r}'.format(max_load_imbalance))
+        if arrival_deadline is not None and not (
+                isinstance(arrival_deadline, numbers.Real)
+                and arrival_deadline > 0):
+            raise ValueError('arrival_deadline must be a number of seconds '
+                             '> 0 or None, got {!r}'.format(arrival_deadline))
         self.comm = communicator
         self.max_load_imbalance = max_load_imbalance
+        self.arrival_deadline = arrival_deadline
         self.assignment = None
         self._needs_broadcast = True
         self._layout = None
@@ -114,13 +127,15 @@ class HybridParallelStages(stages.Stages):
         return self.comm.rank, self.comm.size
 
     def _check_same_step(self, optimizer):
-        """Every rank at the same iteration, and each resuming from a
-        snapshot or none: a snapshot loaded on some ranks only would leave
-        them in different collectives, each waiting for the others. Two
-        small collectives an update."""
+        """Every rank starts the update within ``arrival_deadline``, at the
+        same iteration, and each resuming from a snapshot or none: a rank
+        that left its loop, or a snapshot loaded on some ranks only, would
+        leave the others waiting in a collective for ever. One small
+        message to rank 0 and back an update."""
         with timing.timed(self.comm.stage_timer, 'communication'):
-            states = self.comm.bcast_obj(self.comm.gather_obj(
-                (optimizer.t, optimizer.resuming)))
+            states = self.comm.arrive(
+                (optimizer.t, optimizer.resuming), self.arrival_deadline,
+                'K-FAC iteration {}'.format(optimizer.t + 1))
         if len(set(states)) == 1:
             return
         loaded = [rank for rank, (_, resuming) in enumerate(states)
