@@ -36,7 +36,9 @@ as it decays). The K-FAC rows below them are the natural step
 come from the loss's quadratic model at every step
 (``kfac_quadratic_model``: ``step_rule='adaptive'``, Martens & Grosse
 2015 §6-7, kfac-jax's adaptive mode); it takes no learning rate (the
-schedule is applied and ignored) and no guard.
+schedule is applied and ignored) and no guard. ``kfac_quadratic_model_floor``
+is the same with the damping kept at 1e-3 or more. A run that blows up
+(``NonFiniteError``) ends at that epoch.
 
 ``--swap`` adds the one-line swap as it was before grafting:
 ``KFAC(lr, momentum, step_rule='natural')`` at the bound of then (1e-4),
@@ -59,6 +61,7 @@ accuracy against epochs and against seconds; ``run_all.py --docs-only``
 copies it into the docs).
 """
 import argparse
+import functools
 import math
 import multiprocessing
 import os
@@ -110,6 +113,12 @@ OPTIMIZERS = {
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
+    # The same with the damping kept at 1e-3 or more (a class: each run
+    # gets a rule of its own).
+    'kfac_quadratic_model_floor': {
+        'step_rule': functools.partial(
+            chainerkfac.optimizers.quadratic_model.QuadraticModel,
+            min_damping=1e-3)},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
@@ -122,13 +131,14 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
         'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
         'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
                                          'kfac_graft_decay',
-                                         'kfac_quadratic_model')
+                                         'kfac_quadratic_model',
+                                         'kfac_quadratic_model_floor')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
                           'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
                           'tab:orange', 'tab:green', 'tab:purple', 'gold',
-                          'magenta', 'darkred')))
+                          'magenta', 'darkred', 'salmon')))
 assert len(COLOURS) == len(ROWS)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
@@ -177,14 +187,16 @@ def train(spec, decays=()):
     model = models.TinyResNet(10)
     lr = base_lr * batch / 256
     options = OPTIMIZERS[name]
+    if options is not None and callable(options.get('step_rule')):
+        options = dict(options, step_rule=options['step_rule']())
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 kl_clip=kl_clip, **options)
     # The quadratic model's step needs update(classifier, x, t).
-    net = chainer.links.Classifier(model) if options and \
-        options.get('step_rule') == 'adaptive' else model
+    net = chainer.links.Classifier(model) if options is not None and \
+        optimizer.step_rule.chooses_update else model
     optimizer.setup(net)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
     reporter = chainer.Reporter()
@@ -207,9 +219,14 @@ def train(spec, decays=()):
             elif name == 'kfac_graft_decay' and it >= warmup:
                 optimizer.kl_clip = kl_clip * factor * factor
             observation = {}
-            with reporter.scope(observation):
-                loss_value, seconds = harness.train_step(
-                    net, optimizer, x_tr[idx], y_tr[idx])
+            try:
+                with reporter.scope(observation):
+                    loss_value, seconds = harness.train_step(
+                        net, optimizer, x_tr[idx], y_tr[idx])
+            except chainerkfac.NonFiniteError:
+                # A run that blows up ends here, its last epoch evaluated.
+                loss_value = float('nan')
+                break
             if 'kfac/update_scale' in observation:
                 scales.append(float(observation['kfac/update_scale']))
             if 'kfac/alpha' in observation:
@@ -506,7 +523,8 @@ def main(argv=None):
                         help='also K-FAC with the step length, momentum and '
                         'damping from the quadratic model '
                         "(kfac_quadratic_model: step_rule='adaptive', no "
-                        'learning rate, no guard)')
+                        'learning rate, no guard; kfac_quadratic_model_floor:'
+                        ' its damping 1e-3 or more)')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--out', default=OUT)
     parser.add_argument('--report', action='store_true',
@@ -555,9 +573,10 @@ def main(argv=None):
                   for kl in args.graft_kl_clips.split(',')
                   for lr in args.graft.split(',')]
     if args.quadratic_model:
-        specs += [('kfac_quadratic_model', 0.1, None, batch, seed,
-                   args.epochs, args.warmup)
-                  for seed in range(args.seeds) for batch in batches]
+        specs += [(name, 0.1, None, batch, seed, args.epochs, args.warmup)
+                  for seed in range(args.seeds) for batch in batches
+                  for name in ('kfac_quadratic_model',
+                               'kfac_quadratic_model_floor')]
     for name, lrs in (('kfac_graft_rel10', args.graft_relative),
                       ('kfac_graft_decay', args.graft_decay)):
         specs += [(name, float(lr), chainerkfac.optimizers.KFAC().kl_clip,

@@ -91,7 +91,7 @@ class LevenbergMarquardt:
     ``ω = decay ** interval`` (Martens & Grosse 2015 §6.5)."""
 
     def __init__(self, damping, interval=5, decay=19 / 20,
-                 bounds=(1e-8, 1e4)):
+                 bounds=(1e-8, 1e8)):
         self.damping = damping
         self.interval = interval
         self.omega = decay ** interval
@@ -123,13 +123,20 @@ class QuadraticModel(step_rule.StepRule):
     name = 'adaptive'
     chooses_update = True
 
-    def __init__(self, interval=5):
+    def __init__(self, interval=5, min_damping=1e-8):
+        """``interval`` is ``T``; ``λ`` never falls below ``min_damping``
+        (kfac-jax's option of that name)."""
         self.interval = interval
+        self.min_damping = min_damping
         #: The :class:`LevenbergMarquardt` rule, from the optimizer's
         #: ``damping`` at its first step.
         self.levenberg_marquardt = None
         self._gradient = None
         self._step = None
+
+    def _rule(self, damping):
+        return LevenbergMarquardt(damping, self.interval,
+                                  bounds=(self.min_damping, 1e8))
 
     def scales(self, terms):
         return numpy.ones(len(terms))
@@ -156,8 +163,7 @@ class QuadraticModel(step_rule.StepRule):
                              'update is written through the momentum rule), '
                              'got {}'.format(optimizer.lr))
         if self.levenberg_marquardt is None:
-            self.levenberg_marquardt = LevenbergMarquardt(
-                optimizer.damping, self.interval)
+            self.levenberg_marquardt = self._rule(optimizer.damping)
         optimizer.damping = self.levenberg_marquardt.damping
 
     def keep_gradient(self, params):
@@ -215,8 +221,7 @@ class QuadraticModel(step_rule.StepRule):
         """Saves or loads ``λ`` (``damping`` starts it where the snapshot
         holds none)."""
         if self.levenberg_marquardt is None:
-            self.levenberg_marquardt = LevenbergMarquardt(damping,
-                                                          self.interval)
+            self.levenberg_marquardt = self._rule(damping)
         try:
             self.levenberg_marquardt.serialize(serializer)
         except KeyError:
