@@ -2,6 +2,7 @@
 the inverse in effect at each step against dense inverses of the factors
 recorded at every step."""
 import copy
+import threading
 
 import numpy
 import pytest
@@ -78,3 +79,61 @@ def test_inverse_delay_must_be_a_count():
     with pytest.raises(ValueError, match='KFAC inverse_delay must be an int '
                        '>= 0, got -1'):
         chainerkfac.optimizers.KFAC(inverse_delay=-1)
+
+
+def dense_apply_exact(A, G, damping, grad):
+    """``(A ⊗ G + λ I)⁻¹ ∇`` (the eigen inverse's exact damping), through
+    the factors' eigendecompositions."""
+    da, qa = numpy.linalg.eigh(A)
+    dg, qg = numpy.linalg.eigh(G)
+    return qg @ ((qg.T @ grad @ qa) / (numpy.outer(dg, da) + damping)) \
+        @ qa.T
+
+
+def sources_in_effect(monkeypatch, delay, inverse='cholesky', steps=12):
+    """The step whose factors built the first block's inverse in effect
+    at each step, ``inverse_interval=1``, and the threads every block's
+    inverses were built on."""
+    numpy.random.seed(0)
+    model = MLP()
+    optimizer = chainerkfac.optimizers.KFAC(
+        lr=0.05, cov_ema_decay=0.5, factor_interval=1, inverse_interval=1,
+        inverse_delay=delay, inverse=inverse)
+    optimizer.setup(model)
+    block = optimizer.blocks[0]
+    threads = []
+    build = block.family.build
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return build(*args)
+    monkeypatch.setattr(block.family, 'build', recorded)
+    probe = numpy.random.RandomState(1).randn(5, 7)
+    factors, used = {}, []
+    for step in range(1, steps + 1):
+        optimizer.update(loss_fn(model), *data(seed=step))
+        factors[step] = block.factor['A'].copy(), block.factor['G'].copy()
+        applied = block.form.apply(probe)
+        dense = dense_apply if inverse == 'cholesky' else dense_apply_exact
+        used.append(next(t for t, (A, G) in factors.items()
+                         if numpy.allclose(
+                             applied, dense(A, G, optimizer.damping, probe),
+                             rtol=1e-9, atol=1e-12)))
+    return used, threads, len(optimizer.blocks)
+
+
+@pytest.mark.parametrize('inverse', ['cholesky', 'eigen'])
+@pytest.mark.parametrize('delay,expected', [
+    # One inverse on its way at a time: step t puts in place the one of
+    # step t - d and starts the next, a refresh every d steps.
+    (1, [1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+    (2, [1, 1, 1, 2, 2, 4, 4, 6, 6, 8, 8, 10]),
+    (3, [1, 1, 1, 1, 2, 2, 2, 5, 5, 5, 8, 8])])
+def test_every_step_refreshes_as_the_one_in_flight_allows(
+        monkeypatch, delay, expected, inverse):
+    used, threads, blocks = sources_in_effect(monkeypatch, delay, inverse)
+    assert used == expected
+    # Each block's first inverse at once, every later one on the worker.
+    worker = [name.startswith('chainerkfac-inverse') for name in threads]
+    assert not any(worker[:blocks]) and len(worker) > blocks \
+        and all(worker[blocks:]), threads

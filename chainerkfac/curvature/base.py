@@ -292,9 +292,11 @@ class FisherBlock:
             return False
         factors = tuple(self.factor[f] for f in self.factors)
         if delay and self.form is not None:
+            # In effect from step + delay until the next one, built no
+            # sooner than then: it serves at least ``delay`` steps.
             self.pending = step + delay, background.submit(
                 self.family.build, factors, damping,
-                self.inverse_reuse(step))
+                max(self.inverse_reuse(step), delay))
         else:
             self.form = self.family.build(factors, damping,
                                           self.inverse_reuse(step))

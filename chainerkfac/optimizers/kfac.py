@@ -550,9 +550,18 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                     if block in stats:
                         rates[block] = self._fold(block, stats[block])
 
+        # An inverse on its way since step t - d goes in place first, so that
+        # step t can start the next one.
+        ready = [block for block in owned if block.pending is not None
+                 and block.pending[0] <= step]
+        refreshed = []
+        if ready:
+            # Waits for the worker only if it is late.
+            with self.timing('inversion'):
+                refreshed = [block for block in ready
+                             if block.take_pending(step)]
         due = [block for block in owned
                if block.inverse_due(step, block.effective_damping(hp))]
-        refreshed = []
         if due:
             with self.timing('inversion'):
                 # Under an inverse_delay, the inverses that replace one
@@ -563,19 +572,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 for block in [b for b in due if b not in now]:
                     block.update_inverse(step, block.effective_damping(hp),
                                          self.inverse_delay)
-                refreshed = [block for block, done in zip(
+                refreshed += [block for block, done in zip(
                     now, cpu_parallel.map_blocks(
                         lambda block: block.update_inverse(
                             step, block.effective_damping(hp)),
                         now, cpu_parallel.block_work('inverse_cost')))
                     if done]
-        ready = [block for block in owned if block.pending is not None
-                 and block.pending[0] <= step]
-        if ready:
-            # Waits for the worker only if it is late.
-            with self.timing('inversion'):
-                refreshed += [block for block in ready
-                              if block.take_pending(step)]
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
         # manual loop may pass without loss_scaling()); the decay term must
