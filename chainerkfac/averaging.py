@@ -10,12 +10,15 @@ MomentumSGD: it reads the weights after each step, nothing else);
 :class:`AveragedEvaluator` is Chainer's ``Evaluator`` under it.
 """
 import contextlib
+import logging
 
 import chainer.links as L
 import numpy
 from chainer import backend
 from chainer.training import extension
 from chainer.training import extensions
+
+logger = logging.getLogger(__name__)
 
 
 class PolyakAveraging(extension.Extension):
@@ -37,6 +40,11 @@ class PolyakAveraging(extension.Extension):
     ``d = 0.999``, an average of early, poor weights for as long as the
     average's time scale ``1 / (1 - d)``. Ba et al. (§6) state neither
     their decay nor their start.
+
+    ``t`` counts the steps since the array was first seen: a lazily
+    initialised parameter whose first forward pass comes after some steps
+    gets an average of its own iterates only (started at zero, it would
+    have been pulled towards zero by the steps before).
 
     Averages are kept in float32 or wider (float16 weights too: a step of
     ``α (w - w̄)`` with ``α`` 0.01 would mostly round away in float16).
@@ -82,6 +90,9 @@ class PolyakAveraging(extension.Extension):
         #: Steps folded into the average.
         self.count = 0
         self._averages = {}
+        # Steps folded into each array's average (arrays seen late have
+        # fewer).
+        self._counts = {}
 
     def __call__(self, trainer):
         self.update()
@@ -110,6 +121,7 @@ class PolyakAveraging(extension.Extension):
                     array.dtype, numpy.float32))
                 average.fill(0)
                 self._averages[name] = average
+                self._counts[name] = 0
         return self._averages
 
     def update(self):
@@ -117,8 +129,9 @@ class PolyakAveraging(extension.Extension):
         live = self._live()
         averages = self._averages_of(live)
         self.count += 1
-        alpha = (1 - self.decay) / (1 - self.decay ** self.count)
         for name, array in live.items():
+            self._counts[name] += 1
+            alpha = (1 - self.decay) / (1 - self.decay ** self._counts[name])
             average = averages[name]
             average += alpha * (array.astype(average.dtype, copy=False)
                                 - average)
@@ -163,16 +176,31 @@ class PolyakAveraging(extension.Extension):
                 array[...] = saved[name]
 
     def serialize(self, serializer):
-        """Saves or loads the step count and every average.
+        """Saves or loads the step counts and every average.
 
         Loading needs the model's parameters initialised (a ``Trainer``
         snapshot loads the model before its extensions), and resumes the
-        average bit for bit."""
-        self.count = serializer('count', self.count)
+        average bit for bit. A snapshot written without the extension
+        leaves the average to start afresh at the next step (said in the
+        log); one written before the counts were per array takes the
+        global count for every array."""
+        try:
+            count = serializer('count', self.count)
+        except KeyError:
+            logger.warning('the snapshot holds no Polyak average: it starts '
+                           'afresh from the next step')
+            return
+        self.count = int(count)
         averages = self._averages_of(self._live())
         for name in sorted(averages):
+            key = name.lstrip('/')
             # In place: a deserializer copies into the array it is given.
-            serializer['averages'](name.lstrip('/'), averages[name])
+            serializer['averages'](key, averages[name])
+            try:
+                self._counts[name] = int(serializer['counts'](
+                    key, self._counts[name]))
+            except KeyError:
+                self._counts[name] = self.count
 
 
 class AveragedEvaluator(extensions.Evaluator):

@@ -140,9 +140,10 @@ def test_arguments_and_order():
             pass
 
 
-def make_trainer(name, out, stop, seed=0):
-    """MomentumSGD or K-FAC under a Trainer that averages, evaluates the
-    live and the averaged model every 2 iterations and snapshots at 3."""
+def make_trainer(name, out, stop, seed=0, average=True):
+    """MomentumSGD or K-FAC under a Trainer that averages (unless not
+    ``average``), evaluates the live and the averaged model every 2
+    iterations and snapshots at 3."""
     model, optimizer = setup(name, seed)
     data = chainer.datasets.TupleDataset(*[
         numpy.concatenate(a) for a in zip(*batches(4))])
@@ -151,14 +152,15 @@ def make_trainer(name, out, stop, seed=0):
         training.StandardUpdater(it, optimizer, device=device.current()),
         (stop, 'iteration'), out=out)
     averaging = chainerkfac.PolyakAveraging(model, DECAY)
-    trainer.extend(averaging)
     val = chainer.iterators.SerialIterator(data, 64, repeat=False,
                                            shuffle=False)
     trainer.extend(extensions.Evaluator(val, model, device=device.current()),
                    trigger=(2, 'iteration'))
-    trainer.extend(chainerkfac.AveragedEvaluator(
-        averaging, val, model, device=device.current()),
-        trigger=(2, 'iteration'))
+    if average:
+        trainer.extend(averaging)
+        trainer.extend(chainerkfac.AveragedEvaluator(
+            averaging, val, model, device=device.current()),
+            trigger=(2, 'iteration'))
     trainer.extend(extensions.LogReport(trigger=(2, 'iteration')))
     trainer.extend(extensions.snapshot(), trigger=(3, 'iteration'))
     return trainer, model, averaging, data
@@ -202,3 +204,56 @@ def test_trainer_snapshot_resumes_the_average_bit_for_bit(name, tmp_path):
 def test_every_rank_holds_the_same_average_under_mpiexec(name):
     mpi_helpers.run_mpi(2, mpi_helpers.script_path('polyak_averaging.py'),
                         [name], timeout=120, check=True)
+
+
+def test_a_parameter_first_seen_late_averages_its_own_weights():
+    # fc2's weights exist from its first forward pass, after one update:
+    # its average is that of its own iterates (started at zero, the first
+    # update's fold would have halved it).
+    class Late(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.fc1 = L.Linear(3, 4)
+                self.fc2 = L.Linear(None, 2)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            return self.fc2(h) if self.fc2.W.array is not None or \
+                self.grown else h[:, :2]
+
+    numpy.random.seed(0)
+    net = Late()
+    net.grown = False
+    model = L.Classifier(net)
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.1)
+    optimizer.setup(model)
+    averaging = chainerkfac.PolyakAveraging(model, DECAY)
+    data = batches(4)
+    step(model, optimizer, data[0])
+    averaging.update()
+    net.grown = True
+    recorded = []
+    for batch in data[1:]:
+        step(model, optimizer, batch)
+        averaging.update()
+        recorded.append(net.fc2.W.array.copy())
+    weights = DECAY ** numpy.arange(len(recorded))[::-1] * (1 - DECAY)
+    expected = sum(w * r for w, r in zip(weights, recorded)) / weights.sum()
+    with averaging.averaged():
+        numpy.testing.assert_allclose(net.fc2.W.array, expected, rtol=1e-6)
+
+
+def test_snapshot_without_the_average_starts_it_afresh(tmp_path, caplog):
+    # A Trainer snapshot written before the extension was added loads; the
+    # average starts at the next iteration.
+    trainer, _, _, _ = make_trainer('sgd', str(tmp_path / 'plain'), 3,
+                                    average=False)
+    trainer.run()
+    resumed, _, averaging, _ = make_trainer('sgd', str(tmp_path / 'more'), 4)
+    with caplog.at_level('WARNING', logger='chainerkfac'):
+        chainer.serializers.load_npz(
+            str(tmp_path / 'plain' / 'snapshot_iter_3'), resumed)
+    assert 'holds no Polyak average' in caplog.text
+    resumed.run()
+    assert averaging.count == 1
