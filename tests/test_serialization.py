@@ -483,3 +483,36 @@ optimizer.update(lambda x: chainer.functions.sum(model(x)), x)
     assert ('rank 0 at iteration 5, snapshot loaded, rank 1 at iteration 0'
             in result.stderr), result.stderr
     assert 'loaded on rank(s) 0 only' in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize('damage', ['empty', 'truncated', 'corrupt'])
+def test_unreadable_snapshot_file_is_named(tmp_path, damage):
+    numpy.random.seed(0)
+    model = MLP()
+    optimizer = chainerkfac.optimizers.KFAC()
+    state = trained(optimizer, model)
+    stem = str(tmp_path / 'snapshot_iter_2')
+    numpy.savez(stem + '.rank0.npz', **state)
+    raw = open(stem + '.rank0.npz', 'rb').read()
+    with open(stem + '.rank0.npz', 'wb') as f:
+        f.write({'empty': b'', 'truncated': raw[:len(raw) // 2],
+                 'corrupt': raw[:40] + bytes(len(raw) - 80) + raw[-40:]}[
+                     damage])
+
+    class OneProcess:
+        rank, size = 0, 1
+    with pytest.raises(ValueError, match='cannot read snapshot file {}'
+                       .format(stem + '.rank0.npz')):
+        chainerkfac.load_snapshot(stem, optimizer, optimizer, OneProcess())
+
+
+def test_snapshot_with_a_non_finite_momentum_is_refused():
+    numpy.random.seed(0)
+    state = trained(chainerkfac.optimizers.KFAC(), MLP())
+    key = next(k for k in state if k.endswith('l1/W/v'))
+    state[key] = state[key].copy()
+    state[key][0, 0] = numpy.nan
+    optimizer = chainerkfac.optimizers.KFAC()
+    optimizer.setup(MLP())
+    with pytest.raises(ValueError, match='non-finite momentum of /l1/W'):
+        load(state, optimizer)

@@ -662,3 +662,19 @@ def test_parallel_block_work_keeps_block_order():
         lambda b: b.name, opt.blocks,
         lambda b: chainerkfac.cpu_parallel.SERIAL_FLOPS * (b.name in large))
     assert names == [b.name for b in opt.blocks]
+
+
+def test_update_before_any_backward_says_so():
+    # Chainer's gradients are NaN until a backward pass writes them.
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    with pytest.raises(chainerkfac.NonFiniteError,
+                       match='NaN throughout.*no backward pass wrote'):
+        opt.update()
+
+
+def test_snapshot_before_setup_names_setup(tmp_path):
+    with pytest.raises(RuntimeError, match='before setup'):
+        chainer.serializers.save_npz(str(tmp_path / 'o.npz'),
+                                     chainerkfac.optimizers.KFAC())

@@ -111,10 +111,19 @@ class FiniteChecks:
                                 all_finite([p.grad for _, p in named])):
             if not finite:
                 if self.nonfinite == 'raise':
+                    grad = dict(named)[name].grad
+                    # Chainer fills a gradient with NaN until a backward
+                    # pass writes it.
+                    unwritten = bool(backend.get_array_module(grad).isnan(
+                        grad).all())
                     raise base.NonFiniteError(
-                        'non-finite gradient in {} at iteration {}; pass '
+                        'non-finite gradient in {} at iteration {}{}; pass '
                         "nonfinite='skip' to KFAC to skip such steps"
-                        .format(name, self.t))
+                        .format(name, self.t, ' (NaN throughout: a NaN in '
+                                'the batch, or a gradient no backward pass '
+                                'wrote, as before the first loss.backward(); '
+                                'update(lossfun, *batch) runs it)'
+                                if unwritten else ''))
                 logger.warning('skipping iteration %d: non-finite gradient '
                                'in %s', self.t, name)
                 self._last_nonfinite = name

@@ -13,10 +13,13 @@ resized between allocations, or one process), each process loads the files
 the first update then moves each layer's factors, inverse and schedules to
 its owner in the new placement (:class:`Resume`).
 """
+import contextlib
 import glob
 import itertools
 import os
 import re
+import zipfile
+import zlib
 
 import numpy
 from chainer import serializers
@@ -198,19 +201,33 @@ def load(stem, target, optimizer, comm, path=''):
     paths = _files_of(found, comm.rank, comm.size)
     resized = len(found) != comm.size
     iterator = path + 'updater/iterator:main/'
-    serializers.load_npz(paths[0], target, ignore_names=[
-        iterator + 'order', iterator + 'current_position'] if resized
-        else None)
+    with _reading(paths[0]):
+        serializers.load_npz(paths[0], target, ignore_names=[
+            iterator + 'order', iterator + 'current_position'] if resized
+            else None)
     for other in paths[1:]:
-        serializers.load_npz(other, optimizer,
-                             path=path + 'updater/optimizer:main/')
+        with _reading(other):
+            serializers.load_npz(other, optimizer,
+                                 path=path + 'updater/optimizer:main/')
     return resized
+
+
+@contextlib.contextmanager
+def _reading(path):
+    """Names ``path`` in the error of a file that is not a whole ``.npz``
+    (empty, truncated, corrupt), which NumPy's and zlib's errors do not."""
+    try:
+        yield
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+        raise ValueError('cannot read snapshot file {} (empty, truncated or '
+                         'corrupt?): {}: {}'.format(path, type(e).__name__,
+                                                    e)) from e
 
 
 def _saved_size(path):
     """The number of processes the K-FAC header of the file at ``path``
     names (0 without one)."""
-    with numpy.load(path) as state:
+    with _reading(path), numpy.load(path) as state:
         keys = [key for key in state.files
                 if key.endswith('kfac/header/world_size')]
         return int(state[keys[0]]) if keys else 0
