@@ -76,6 +76,9 @@ class StatisticsHook(chainer.LinkHook):
         if block is None:
             return
         x = args.args[0] if args.args else args.kwargs['x']
+        if len(x) == 0:
+            raise ValueError('K-FAC layer {} got an empty batch (0 samples) '
+                             'in a training forward pass'.format(block.name))
         self._samples[link] = self._samples.get(link, 0) + len(x)
         wanted = block.wanted(self.next_step())
         if not wanted:

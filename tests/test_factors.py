@@ -148,12 +148,21 @@ def test_reduced_linear_factors(nobias):
                     conv_factors='reduced')
     numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
     numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
-    expanded, reduced = (collect(link.copy(mode='copy'), x[:, 0], r[:, 0],
-                                 conv_factors=mode)
-                         for mode in ('expanded', 'reduced'))
-    for f in ('A', 'G'):
-        numpy.testing.assert_array_equal(host(reduced.factor[f]),
-                                         host(expanded.factor[f]))
+    # One position (where the block takes the expanded path): the
+    # reduced formula itself gives the expanded factors.
+    gy1 = []
+    for i in range(n):
+        y = link(x[i:i + 1, :1], n_batch_axes=2)
+        g, = chainer.grad([F.sum(per_sample_loss(y, r[i:i + 1, :1]))], [y])
+        gy1.append(g.array[0])
+    A1, G1 = brute_force.reduced_factors(x[:, :1], numpy.stack(gy1),
+                                         not nobias)
+    expanded = collect(link.copy(mode='copy'), x[:, 0], r[:, 0],
+                       conv_factors='reduced')
+    numpy.testing.assert_allclose(host(expanded.factor['A']), A1,
+                                  rtol=1e-12)
+    numpy.testing.assert_allclose(host(expanded.factor['G']), G1,
+                                  rtol=1e-10)
 
 
 def hadamard(k):

@@ -678,3 +678,24 @@ def test_snapshot_before_setup_names_setup(tmp_path):
     with pytest.raises(RuntimeError, match='before setup'):
         chainer.serializers.save_npz(str(tmp_path / 'o.npz'),
                                      chainerkfac.optimizers.KFAC())
+
+
+def test_describe_names_a_link_added_after_setup_as_not_updated():
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    with model.init_scope():
+        model.extra = L.Linear(2, 2)
+    text = opt.describe()
+    assert 'not updated (added after setup; call setup again): ' \
+        '/extra/W, /extra/b' in text, text
+    assert 'momentum SGD parameters' not in text, text
+
+
+def test_empty_batch_names_the_layer():
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC()
+    opt.setup(model)
+    x, t = data()
+    with pytest.raises(ValueError, match='layer l1 got an empty batch'):
+        opt.update(loss_fn(model), *send(x[:0], t[:0]))

@@ -393,8 +393,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         in a distributed run, which rank owns each K-FAC link."""
         self._check_set_up()
         covered = {id(p) for b in self.blocks for p in b.params()}
-        sgd = [name for name, p in self.target.namedparams(include_uninit=True)
-               if id(p) not in covered]
+        params = list(self.target.namedparams(include_uninit=True))
+        # A parameter added after setup has no update rule: nothing
+        # updates it, as with MomentumSGD.
+        frozen = [name for name, p in params if p.update_rule is None]
+        sgd = [name for name, p in params
+               if id(p) not in covered and p.update_rule is not None]
         where = self._stages.placement(self.blocks)
         rows = [(b.name, b.describe() if where is None
                  else '{}; {}'.format(b.describe(), where[i]))
@@ -409,6 +413,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if sgd:
             lines.append('  momentum SGD parameters: {}'.format(
                 ', '.join(sgd)))
+        if frozen:
+            lines.append('  not updated (added after setup; call setup '
+                         'again): {}'.format(', '.join(frozen)))
         return '\n'.join(lines)
 
     def option_values(self):
