@@ -13,10 +13,14 @@ the statistics. Every training pass, stale ones
 included, counts its samples, whose total since the last step the
 update-norm guard's bound follows.
 """
+import logging
+
 import chainer
 
 from chainerkfac import linalg
 from chainerkfac import timing as timing_module
+
+logger = logging.getLogger(__name__)
 
 
 def _untimed(stage):
@@ -28,15 +32,19 @@ class OutputGradientHook(chainer.FunctionHook):
 
     name = 'chainerkfac_output_gradient'
 
-    def __init__(self, block, context, output_index, timing=None):
+    def __init__(self, block, context, output_index, timing=None,
+                 arrived=None):
         self.block = block
         self.context = context
         self.output_index = output_index
         self.timing = timing or _untimed
+        self.arrived = arrived
 
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
         if gy is not None:
+            if self.arrived is not None:
+                self.arrived(self.block, len(gy))
             with self.timing('statistics_backward'):
                 self.block.backward_statistics(
                     self.context, linalg.widened(gy), function)
@@ -66,6 +74,10 @@ class StatisticsHook(chainer.LinkHook):
         self.next_step = next_step
         self.timing = timing or _untimed
         self._samples = {}
+        # Samples whose forward statistics wait for their backward ones,
+        # per block, and the blocks already warned of a pass without it.
+        self._awaited = {}
+        self._warned = set()
 
     def forward_postprocess(self, args):
         config = chainer.config
@@ -94,7 +106,11 @@ class StatisticsHook(chainer.LinkHook):
             return
         index = [ref() for ref in node.outputs].index(out.node)
         node.add_hook(OutputGradientHook(block, context, index,
-                                         self.timing))
+                                         self.timing, self._arrived))
+        self._awaited[block] = self._awaited.get(block, 0) + len(x)
+
+    def _arrived(self, block, n_samples):
+        self._awaited[block] = self._awaited.get(block, 0) - n_samples
 
     def take_batch_size(self):
         """Samples fed since the last call, or ``None`` if none: all the
@@ -103,4 +119,16 @@ class StatisticsHook(chainer.LinkHook):
         link called once per time step (an LSTM's ``lateral``) sees each
         sample several times."""
         samples, self._samples = self._samples, {}
+        awaited, self._awaited = self._awaited, {}
+        for block, missing in awaited.items():
+            if missing > 0 and block not in self._warned:
+                # Its forward statistics are in the factors already.
+                self._warned.add(block)
+                logger.warning(
+                    'K-FAC layer %s: %d sample(s) of training forward '
+                    'passes since the last step were never backpropagated, '
+                    'and their inputs are in its statistics; run forward '
+                    "passes that have no backward under chainer.using_config"
+                    "('train', False) or chainer.no_backprop_mode()",
+                    block.name, missing)
         return min(samples.values()) if samples else None

@@ -699,3 +699,23 @@ def test_empty_batch_names_the_layer():
     x, t = data()
     with pytest.raises(ValueError, match='layer l1 got an empty batch'):
         opt.update(loss_fn(model), *send(x[:0], t[:0]))
+
+
+def test_forward_pass_never_backpropagated_is_named(caplog):
+    # Its inputs would be in A while G never sees it: said once per layer.
+    model = place(MLP())
+    opt = chainerkfac.optimizers.KFAC(factor_interval=1)
+    opt.setup(model)
+    x, t = data()
+    with caplog.at_level('WARNING', logger='chainerkfac'):
+        opt.update(loss_fn(model), *send(x, t))
+        assert 'never backpropagated' not in caplog.text
+        model.cleargrads()
+        xs, ts = send(x, t)
+        loss = F.softmax_cross_entropy(model(xs), ts)
+        model(xs)  # a forward pass without backward
+        loss.backward()
+        opt.update()
+    assert 'K-FAC layer l1: {} sample(s) of training forward passes since ' \
+        'the last step were never backpropagated'.format(len(x)) \
+        in caplog.text, caplog.text
