@@ -265,3 +265,23 @@ for step in range(3 if comm.rank == 0 else 2):
     assert ('ArrivalTimeout: K-FAC iteration 3: waited 3 s for rank(s) 1 '
             'to start it') in result.stderr, result.stderr
     assert time.monotonic() - start < 30
+
+
+def test_rank_that_never_starts_is_named():
+    # Rank 1 leaves before its first update: rank 0 names it all the same.
+    result = mpi_helpers.run_mpi(2, '''
+import chainer.links as L
+import numpy
+import chainerkfac
+comm = chainerkfac.create_communicator('naive')
+model = L.Classifier(L.Linear(4, 3))
+optimizer = chainerkfac.create_multi_node_optimizer(
+    chainerkfac.optimizers.KFAC(), comm, arrival_deadline=3)
+optimizer.setup(model)
+if comm.rank == 0:
+    optimizer.update(model, numpy.zeros((8, 4), numpy.float32),
+                     numpy.zeros(8, numpy.int32))
+''', timeout=60)
+    assert result.returncode != 0
+    assert ('ArrivalTimeout: K-FAC iteration 1: waited 3 s for rank(s) 1 '
+            'to start it') in result.stderr, result.stderr

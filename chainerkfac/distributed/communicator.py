@@ -149,6 +149,10 @@ class KfacCommunicatorMixin(abc.ABC):
     def _init_kfac(self, transport_dtype):
         self._bytes_moved = dict.fromkeys(COLLECTIVES, 0)
         self.set_config('transport_dtype', transport_dtype)
+        # Here, where every rank creates the communicator: created at the
+        # first arrive(), the collective Dup would wait for ever for a
+        # rank that never arrives.
+        self._arrival_comm = self.mpi_comm.Dup()
 
     # Configuration, in ChainerMN's style.
 
@@ -188,9 +192,7 @@ class KfacCommunicatorMixin(abc.ABC):
         size = self.mpi_comm.size
         if size == 1:
             return [value]
-        comm = getattr(self, '_arrival_comm', None)
-        if comm is None:
-            comm = self._arrival_comm = self.mpi_comm.Dup()
+        comm = self._arrival_comm
         rank, start = comm.rank, time.monotonic()
         if rank == 0:
             pending = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG)
