@@ -546,7 +546,7 @@ def write_doc(full):
     extra = sorted(f[:-5] for f in os.listdir(harness.results_dir())
                    if f.startswith('step_time_') and f.endswith('.json'))
     step_runs = [run for run in [step] + [load(n) for n in extra] if run]
-    lines += ['## Targets of issue #5', '',
+    lines += ['## Targets', '',
               'Each row reads the JSON of the section that measured it '
               '(step-time ratios are amortised over the schedule, see '
               'below, from the run of each model with the most timed '
@@ -636,7 +636,7 @@ def write_doc(full):
                                         list(entry['results']))
                 lines += [text.replace('### ', '#### ', 1), '']
     lines += _allocator_section(step_runs)
-    lines += ['## Flop model (issue #5), updated', '']
+    lines += ['## Flop model, updated', '']
     lines += _flop_section(step_runs)
     if peer:
         lines += ['## Peer: kfac-jax', '',

@@ -516,20 +516,6 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.update_loss_scale()
         return taken, mean_loss, scale
 
-    def _check_finite_momentum(self):
-        """Refuses loaded momentum buffers with NaN or Inf, naming the
-        parameter (the next step would blame its gradient)."""
-        named = [(name, param.update_rule.state['v'])
-                 for name, param in self.target.namedparams()
-                 if param.update_rule is not None
-                 and param.update_rule.state
-                 and param.update_rule.state.get('v') is not None]
-        for (name, _), finite in zip(named, nonfinite.all_finite(
-                [v for _, v in named]) if named else []):
-            if not finite:
-                raise ValueError('the snapshot holds a non-finite momentum '
-                                 'of {}'.format(name))
-
     def _fold(self, block, stats):
         """``block.update_factors``; under ``nonfinite='skip'`` non-finite
         statistics are dropped (and counted as a refresh, as the other

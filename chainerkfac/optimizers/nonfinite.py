@@ -105,30 +105,48 @@ class FiniteChecks:
 
     def _check_finite_gradients(self):
         """False (skip) or an error when a gradient is NaN or Inf."""
-        named = [(name, param) for name, param in self.target.namedparams()
-                 if param.grad is not None]
-        for name, finite in zip([name for name, _ in named],
-                                all_finite([p.grad for _, p in named])):
-            if not finite:
-                if self.nonfinite == 'raise':
-                    grad = dict(named)[name].grad
-                    # Chainer fills a gradient with NaN until a backward
-                    # pass writes it.
-                    unwritten = bool(backend.get_array_module(grad).isnan(
-                        grad).all())
-                    raise base.NonFiniteError(
-                        'non-finite gradient in {} at iteration {}{}; pass '
-                        "nonfinite='skip' to KFAC to skip such steps"
-                        .format(name, self.t, ' (NaN throughout: a NaN in '
-                                'the batch, or a gradient no backward pass '
-                                'wrote, as before the first loss.backward(); '
-                                'update(lossfun, *batch) runs it)'
-                                if unwritten else ''))
-                logger.warning('skipping iteration %d: non-finite gradient '
-                               'in %s', self.t, name)
-                self._last_nonfinite = name
-                return False
-        return True
+        name, grad = first_nonfinite(
+            (name, param.grad) for name, param in self.target.namedparams()
+            if param.grad is not None)
+        if name is None:
+            return True
+        if self.nonfinite == 'raise':
+            # Chainer fills a gradient with NaN until a backward pass
+            # writes it.
+            unwritten = bool(backend.get_array_module(grad).isnan(
+                grad).all())
+            raise base.NonFiniteError(
+                'non-finite gradient in {} at iteration {}{}; pass '
+                "nonfinite='skip' to KFAC to skip such steps"
+                .format(name, self.t, ' (NaN throughout: a NaN in the batch, '
+                        'or a gradient no backward pass wrote, as before the '
+                        'first loss.backward(); update(lossfun, *batch) runs '
+                        'it)' if unwritten else ''))
+        logger.warning('skipping iteration %d: non-finite gradient in %s',
+                       self.t, name)
+        self._last_nonfinite = name
+        return False
+
+    def _check_finite_momentum(self):
+        """Refuses loaded momentum buffers with NaN or Inf, naming the
+        parameter (the next step would blame its gradient)."""
+        name, _ = first_nonfinite(
+            (name, param.update_rule.state['v'])
+            for name, param in self.target.namedparams()
+            if param.update_rule is not None and param.update_rule.state
+            and param.update_rule.state.get('v') is not None)
+        if name is not None:
+            raise ValueError('the snapshot holds a non-finite momentum of '
+                             '{}'.format(name))
+
+
+def first_nonfinite(named):
+    """The first ``(name, array)`` of ``named`` holding NaN or Inf, or
+    ``(None, None)`` (one transfer for all, :func:`all_finite`)."""
+    named = list(named)
+    flags = all_finite([array for _, array in named]) if named else []
+    return next((pair for pair, finite in zip(named, flags) if not finite),
+                (None, None))
 
 
 def running_statistics(target):

@@ -200,8 +200,8 @@ class QuadraticModel(step_rule.StepRule):
 
     def after_update(self, optimizer, lossfun):
         """On the steps that measure it, ``ρ`` from the loss after the
-        update on the same batch; moves ``λ`` (the next step's damping)
-        and reports ``kfac/reduction_ratio``."""
+        update on the same batch; moves ``λ``, which :meth:`check` makes
+        the next step's damping, and reports ``kfac/reduction_ratio``."""
         loss, change, inputs, kw, labels = self._step
         self._step = None
         lm = self.levenberg_marquardt
@@ -214,7 +214,6 @@ class QuadraticModel(step_rule.StepRule):
         nonfinite.restore(running)
         rho = (after - loss) / change if change < 0 else math.nan
         lm.adapt(rho)
-        optimizer.damping = lm.damping
         chainer.report({'kfac/reduction_ratio': rho})
 
     def serialize(self, serializer, damping):
