@@ -69,8 +69,11 @@ class BatchNormalizationBlock(base.FisherBlock):
             # the batch moments are the ones Chainer's forward computed.
             mean = getattr(node, 'mean', None)
             inv_std = getattr(node, 'inv_std', None)
-            if mean is None or inv_std is None:
-                # A subclass's own function (e.g. BatchRenormalization).
+            if mean is None or inv_std is None or mean.dtype != x.dtype:
+                # A subclass's own function (e.g. BatchRenormalization),
+                # or a half-precision forward's moments: the cancellation
+                # in Σ gy x − mean v magnifies their rounding by
+                # |mean| / std, so they are taken again in x's precision.
                 mean = x.mean(axis=axes)
                 inv_std = 1 / xp.sqrt(x.var(axis=axes) + self.link.eps)
             # Σ gy x in one pass: a batch-sized gy * x would be a fresh
