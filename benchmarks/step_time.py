@@ -241,7 +241,10 @@ def analyse(runners, sgd_name='sgd'):
         res = {'all': harness.summary([r['total'] for r in recs]),
                'kinds': {}, 'stages': {}, 'fine': {},
                'state_bytes': max([r['state_bytes'] for r in recs] or [0]),
-               'first_iteration': runner.start}
+               'first_iteration': runner.start,
+               # Each step's (iteration, kind, seconds): where a refresh's
+               # cost lands within the interval (inverse_delay).
+               'per_step': [[r['t'], r['kind'], r['total']] for r in recs]}
         for kind in KINDS + ('sgd',):
             sel = [r for r in recs if r['kind'] == kind]
             if sel:

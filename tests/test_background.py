@@ -9,6 +9,7 @@ import pytest
 
 import chainerkfac
 from chainerkfac import linalg
+from tests.device import host, place, send
 from tests.test_update import MLP, data, loss_fn
 
 
@@ -22,7 +23,7 @@ def dense_apply(A, G, damping, grad):
 @pytest.mark.parametrize('delay', [1, 2, 3])
 def test_an_inverse_takes_effect_delay_steps_after_its_factors(delay):
     numpy.random.seed(0)
-    model = MLP()
+    model = place(MLP())
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, cov_ema_decay=0.5, factor_interval=1, inverse_interval=2,
         inverse_delay=delay)
@@ -31,9 +32,10 @@ def test_an_inverse_takes_effect_delay_steps_after_its_factors(delay):
     probe = numpy.random.RandomState(1).randn(5, 7)
     factors, used = {}, []
     for step in range(1, 13):
-        optimizer.update(loss_fn(model), *data(seed=step))
-        factors[step] = block.factor['A'].copy(), block.factor['G'].copy()
-        applied = block.form.apply(probe)
+        optimizer.update(loss_fn(model), *send(*data(seed=step)))
+        factors[step] = (host(block.factor['A']).copy(),
+                         host(block.factor['G']).copy())
+        applied = host(block.form.apply(send(probe)))
         # The step whose factors built the inverse in effect now.
         matches = [t for t, (A, G) in factors.items() if numpy.allclose(
             applied, dense_apply(A, G, optimizer.damping, probe),
@@ -57,9 +59,10 @@ def test_delayed_runs_repeat_and_copies_keep_the_pending_inverse():
             optimizer = chainerkfac.optimizers.KFAC(
                 lr=0.05, inverse_interval=2, inverse_delay=2,
                 factor_interval=1)
-            optimizer.setup(MLP())
+            optimizer.setup(place(MLP()))
         for step in steps:
-            optimizer.update(loss_fn(optimizer.target), *data(seed=step))
+            optimizer.update(loss_fn(optimizer.target),
+                             *send(*data(seed=step)))
         return optimizer
 
     first = run(range(8))
@@ -71,7 +74,7 @@ def test_delayed_runs_repeat_and_copies_keep_the_pending_inverse():
     for other in (again, copied):
         for (name, p), (_, q) in zip(first.target.namedparams(),
                                      other.target.namedparams()):
-            numpy.testing.assert_array_equal(p.array, q.array,
+            numpy.testing.assert_array_equal(host(p.array), host(q.array),
                                              err_msg=name)
 
 
@@ -95,7 +98,7 @@ def sources_in_effect(monkeypatch, delay, inverse='cholesky', steps=12):
     at each step, ``inverse_interval=1``, and the threads every block's
     inverses were built on."""
     numpy.random.seed(0)
-    model = MLP()
+    model = place(MLP())
     optimizer = chainerkfac.optimizers.KFAC(
         lr=0.05, cov_ema_decay=0.5, factor_interval=1, inverse_interval=1,
         inverse_delay=delay, inverse=inverse)
@@ -111,9 +114,10 @@ def sources_in_effect(monkeypatch, delay, inverse='cholesky', steps=12):
     probe = numpy.random.RandomState(1).randn(5, 7)
     factors, used = {}, []
     for step in range(1, steps + 1):
-        optimizer.update(loss_fn(model), *data(seed=step))
-        factors[step] = block.factor['A'].copy(), block.factor['G'].copy()
-        applied = block.form.apply(probe)
+        optimizer.update(loss_fn(model), *send(*data(seed=step)))
+        factors[step] = (host(block.factor['A']).copy(),
+                         host(block.factor['G']).copy())
+        applied = host(block.form.apply(send(probe)))
         dense = dense_apply if inverse == 'cholesky' else dense_apply_exact
         used.append(next(t for t, (A, G) in factors.items()
                          if numpy.allclose(

@@ -4,18 +4,19 @@
 #
 #     benchmarks/gpu/check.sh OUT_DIR [STAGE ...]
 #
-# Stages (all by default): setup probe tests mpi step_time imagenet. Each
-# writes OUT_DIR/STAGE.log; a failing stage does not stop the others.
+# Stages (all by default): setup probe tests step_time inverse_delay peer
+# mpi imagenet. Each writes OUT_DIR/STAGE.log; a failing stage does not stop
+# the others.
 #
 # The machine provides Python 3.12 with CuPy 14 (CUDA 13, NCCL), NumPy 2 and
 # SciPy; what it lacks comes as wheels in .whl/ (Chainer 7.8.1, mpich,
-# mpi4py, setuptools<81; prepared with `pip download`/`pip wheel`, see
-# docs/gpu.md). setup makes a virtual environment on top of that Python's
+# mpi4py, setuptools<81, and kfac-pytorch for the peer stage; prepared with
+# `pip download`/`pip wheel`, see docs/gpu.md). setup makes a virtual environment on top of that Python's
 # packages and installs chainerkfac into it, .pth start-up hook included.
 set -u
 OUT=$(realpath -m "${1:?usage: check.sh OUT_DIR [STAGE ...]}")
 shift
-STAGES=${*:-setup probe tests mpi step_time imagenet}
+STAGES=${*:-setup probe tests step_time inverse_delay peer mpi imagenet}
 # Not run by default: ab, an A/B of statistics layouts (benchmarks/patches.py);
 # tf32, the step times with CuPy's matrix products in TF32 (CUPY_TF32=1).
 VENV=${GPU_VENV:-/tmp/chainerkfac-gpu}
@@ -71,8 +72,10 @@ PY
 }
 
 tests() {
-    timeout 400 "$PY" -m pytest -q -p no:cacheprovider --device=@cupy:0 \
-        tests/test_factors.py tests/test_update.py tests/test_device.py
+    # Every test file that honours --device (tests/device.py).
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider --device=@cupy:0 \
+        $(grep -lE '^from tests(.device)? import (device|host|place|send)' \
+          tests/test_*.py)
 }
 
 mpi() {
@@ -101,14 +104,28 @@ PY
 }
 
 step_time() {
-    timeout 400 "$PY" benchmarks/step_time.py --models resnet50 \
+    timeout 300 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 \
-        --configs sgd,kfac_1,kfac_10_100,kfac_50_50,kfac_stale_fisher \
-        --steps ${GPU_STEPS:-40} --warmup 3 --out "$OUT/step_time_gpu.json"
+        --configs sgd,kfac_1,kfac_10_100,kfac_50_50,kfac_adaptive \
+        --steps ${GPU_STEPS:-30} --warmup 3 --out "$OUT/step_time_gpu.json"
     echo "== per-stage breakdown: the GPU is synchronised at every stage"
     timeout 200 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 --sync-stages --configs sgd,kfac_1,kfac_10_100 \
         --steps 10 --warmup 2 --out "$OUT/step_time_gpu_stages.json"
+}
+
+inverse_delay() {
+    # Each step's time through refresh intervals, inverses built at once
+    # (d = 0) or on their own stream and used 3 steps later (d = 3).
+    timeout 200 "$PY" benchmarks/step_time.py --models resnet50 \
+        --device @cupy:0 --configs \
+        sgd,kfac_10_20,kfac_10_20_delay3,kfac_adaptive,kfac_adaptive_delay3 \
+        --steps 40 --warmup 3 --out "$OUT/step_time_gpu_inverse_delay.json"
+}
+
+peer() {
+    timeout 200 "$PY" benchmarks/gpu/peer_torch.py --steps 40 \
+        --out "$OUT/peer_torch.json"
 }
 
 ab() {
