@@ -144,12 +144,9 @@ def test_reduced_linear_factors(nobias):
         g, = chainer.grad([F.sum(per_sample_loss(y, r[i:i + 1]))], [y])
         gy.append(g.array[0])
     A, G = brute_force.reduced_factors(x, numpy.stack(gy), not nobias)
-    block = collect(link, x, r, link_kwargs={'n_batch_axes': 2},
-                    conv_factors='reduced')
-    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
-    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
     # One position (where the block takes the expanded path): the
-    # reduced formula itself gives the expanded factors.
+    # reduced formula itself gives the expanded factors. (Brute force
+    # first: collect moves the link to the test device.)
     gy1 = []
     for i in range(n):
         y = link(x[i:i + 1, :1], n_batch_axes=2)
@@ -157,7 +154,12 @@ def test_reduced_linear_factors(nobias):
         gy1.append(g.array[0])
     A1, G1 = brute_force.reduced_factors(x[:, :1], numpy.stack(gy1),
                                          not nobias)
-    expanded = collect(link.copy(mode='copy'), x[:, 0], r[:, 0],
+    single = link.copy(mode='copy')
+    block = collect(link, x, r, link_kwargs={'n_batch_axes': 2},
+                    conv_factors='reduced')
+    numpy.testing.assert_allclose(host(block.factor['A']), A, rtol=1e-12)
+    numpy.testing.assert_allclose(host(block.factor['G']), G, rtol=1e-10)
+    expanded = collect(single, x[:, 0], r[:, 0],
                        conv_factors='reduced')
     numpy.testing.assert_allclose(host(expanded.factor['A']), A1,
                                   rtol=1e-12)

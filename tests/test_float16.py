@@ -57,6 +57,16 @@ def one_step(dtype, loss_scale=None, conv_factors='expanded'):
             for f in block.factors}
 
 
+#: How far a half-precision model's BatchNorm F may be from the float32
+#: model's, relative to its largest entry, with the statistics exact (the
+#: test below): float16 rounds the BatchNorm input x, |x| ≈ |mean|, to
+#: 2^-11 of itself, so x − mean carries 2^-11 r of the std (r = |mean| /
+#: std ≈ 14 for this input); the forward's float16 batch moments add as
+#: much; F, quadratic in x̂, doubles both: 4 r 2^-11 = 2.7%. Measured: 1.4%
+#: on the CPU, 2.0% (float16) and 1.9% (mixed16) on an H200's CuPy kernels.
+BATCH_NORM_BOUND = 4 * 14 * 2.0 ** -11
+
+
 @pytest.mark.parametrize('dtype,conv_factors', [
     (numpy.float16, 'expanded'), (chainer.mixed16, 'expanded'),
     (numpy.float16, 'reduced')])
@@ -72,7 +82,8 @@ def test_half_precision_factors_are_float32_and_match(dtype, conv_factors):
         numpy.testing.assert_allclose(host(scaled[key]), host(value),
                                       rtol=1e-5, err_msg=str(key))
         assert half[key].dtype == numpy.float32, key
-        tolerance = 2e-2 * numpy.abs(host(value)).max()
+        tolerance = (BATCH_NORM_BOUND if key == ('bn', 'F') else 2e-2) * \
+            numpy.abs(host(value)).max()
         numpy.testing.assert_allclose(host(half[key]), host(value), rtol=0,
                                       atol=tolerance, err_msg=str(key))
     # A's bias entry: the batch's 73,728 positions, over 8 samples.
