@@ -4,14 +4,14 @@ Preconditioning gives every block ``b`` a direction ``V_b = F̂_b⁻¹ g_b``
 (``g_b`` the gradient the block preconditioned: optimizer hooks such as
 ``WeightDecay`` and K-FAC's own ``weight_decay`` term included). A step rule
 rescales it, ``V_b <- ρ_b V_b``, before the update rule's
-``v <- μ v − η V; w <- w + v``. Its inputs are four sums per block, which
+``v <- μ v − η V; w <- w + v``. Its inputs are three sums per block, which
 the stages add over processes in the all-gather the step already makes
 (:meth:`Stages.gather <chainerkfac.optimizers.stages.Stages.gather>`), so
 that every process computes the same ``ρ``::
 
-    ⟨V_b, g_b⟩    ⟨V_b, V_b⟩    ⟨g_b, g_b⟩    ⟨g_b, (F_b + λ_b) g_b⟩
+    ⟨V_b, g_b⟩    ⟨V_b, V_b⟩    ⟨g_b, g_b⟩
 
-(the last one only for :class:`RelativeKL`). The update-norm guard
+The update-norm guard
 (:mod:`chainerkfac.update_norm`) then bounds what the rule chose.
 
 Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
@@ -33,52 +33,32 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
   damping set together (and the guard, where it binds).
-* :class:`RelativeKL` (``'relative_kl'``): the natural step, shortened
-  (one scale for the whole model) where its approximate KL change exceeds
-  that of SGD's step ``η g`` at the same learning rate under the same
-  damped curvature (Ba et al. 2017 §5's bound, taken relative to SGD's
-  step instead of a constant)::
-
-      q_K = Σ_b ⟨V_b, g_b⟩,   q_S = Σ_b ⟨g_b, (F_b + λ_b) g_b⟩
-      ρ = min(1, sqrt(q_S / q_K))
-
-  (``η²`` cancels). ``F_b`` is the block's stored Fisher factors, ``λ_b``
-  its damping (:meth:`FisherBlock.curvature_inner
-  <chainerkfac.curvature.base.FisherBlock.curvature_inner>`); this costs
-  about one more preconditioning per step. Measured on the convergence
-  suite (``docs/guide/tuning.md``) it does not pay: SGD's KL budget,
-  spent along the directions of least curvature, diverged on the CNN
-  without BatchNorm from lr 0.01 on.
-
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
 """
-import math
-
 from chainer import backend
 import numpy
 
 #: The per-block sums, in their order in the gathered terms.
-TERMS = ('vg', 'vv', 'gg', 'gfg')
+TERMS = ('vg', 'vv', 'gg')
 N_TERMS = len(TERMS)
 
 
-def block_terms(preconditioned, gradient, curvature_inner=0.0):
-    """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩, curvature_inner]`` for one block (or
-    one part of a block: the first three add over parts), as one array of
-    the arrays' module (read back once per step, not once per block)."""
+def block_terms(preconditioned, gradient):
+    """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩]`` for one block (or one part of a
+    block: they add over parts), as one array of the arrays' module (read
+    back once per step, not once per block)."""
     xp = backend.get_array_module(gradient)
     V, g = preconditioned.ravel(), gradient.ravel()
-    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g),
-                     xp.asarray(curvature_inner, dtype=V.dtype)])
+    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g)])
 
 
-def identity_terms(gradient, curvature):
+def identity_terms(gradient):
     """:func:`block_terms` of a block without an inverse (``V = g``,
-    ``F̂ = I``): ``⟨g, g⟩`` four times (the last 0 unless ``curvature``)."""
+    ``F̂ = I``): ``⟨g, g⟩`` three times."""
     xp = backend.get_array_module(gradient)
     gg = xp.vdot(gradient.ravel(), gradient.ravel())
-    return xp.stack([gg, gg, gg, gg if curvature else xp.zeros_like(gg)])
+    return xp.stack([gg, gg, gg])
 
 
 def stack_terms(rows):
@@ -104,9 +84,6 @@ class StepRule:
 
     #: The option's name for the rule.
     name = None
-    #: Whether the rule needs ``⟨g_b, (F_b + λ_b) g_b⟩`` (which costs a
-    #: product with the factors on every step).
-    needs_curvature_inner = False
     #: Whether the rule chooses the whole update, momentum included, and
     #: the damping (:mod:`chainerkfac.optimizers.quadratic_model`): the
     #: optimizer then calls its ``check``, ``keep_gradient``, ``choose``
@@ -145,22 +122,7 @@ class Graft(StepRule):
         return numpy.where(vv > 0, numpy.sqrt(gg / safe), 1.0)
 
 
-class RelativeKL(StepRule):
-    """``ρ = min(1, sqrt(Σ⟨g, F̂g⟩ / Σ⟨V, g⟩))`` for every block: the
-    natural step, bounded by the KL change of SGD's step."""
-
-    name = 'relative_kl'
-    needs_curvature_inner = True
-
-    def scales(self, terms):
-        q_natural, q_sgd = float(terms[:, 0].sum()), float(terms[:, 3].sum())
-        rho = 1.0
-        if q_natural > 0 and q_sgd >= 0:
-            rho = min(1.0, math.sqrt(q_sgd / q_natural))
-        return numpy.full(len(terms), rho)
-
-
-RULES = {rule.name: rule for rule in (Graft, Natural, RelativeKL)}
+RULES = {rule.name: rule for rule in (Graft, Natural)}
 
 
 def register(rule):

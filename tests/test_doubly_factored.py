@@ -144,17 +144,6 @@ def test_factors_equal_brute_force_and_step_equals_dense_solve(nobias):
         numpy.testing.assert_allclose(
             (host(reference.fc.b.array) - host(model.fc.b.array)) / lr,
             expected_b, rtol=1e-8)
-    # ⟨∇, (F + λ) ∇⟩ for the relative-KL rule, from the same dense F.
-    grad = grad_W if nobias else numpy.concatenate(
-        [grad_W, reference.fc.b.grad[:, None]], axis=1)
-    inner = float(block.curvature_inner(
-        chainer.get_device(model.device).send(grad), 0.5))
-    F_W = numpy.kron(numpy.kron(G, Psi), K)
-    expected = grad_W.ravel() @ F_W @ grad_W.ravel() + 0.5 * (
-        grad ** 2).sum()
-    if not nobias:
-        expected += reference.fc.b.grad @ G @ reference.fc.b.grad
-    assert inner == pytest.approx(expected, rel=1e-10)
 
 
 def test_block_is_chosen_by_input_width_at_setup():

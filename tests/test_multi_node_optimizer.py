@@ -42,13 +42,10 @@ def assert_same_parameters(got, expected, what):
     ('cholesky', 'graft', 'expanded', []),
     ('eigen', 'graft', 'expanded', []),
     ('cholesky', 'natural', 'expanded', []),
-    ('eigen', 'relative_kl', 'expanded', []),
     ('cholesky', 'graft', 'reduced', []),
     # fc1 doubly factored (Ψ ⊗ K ⊗ G, Ba et al. 2017 §4; explicit
-    # inverses under either inverse option), with the step rule that
-    # multiplies by its factors too (which needs blocks left whole).
-    ('eigen', 'relative_kl', 'expanded',
-     ['--doubly-factored-from', '16']),
+    # inverses under either inverse option).
+    ('eigen', 'graft', 'expanded', ['--doubly-factored-from', '16']),
     # The bound relative to the run's smallest q / lr², which every rank
     # computes from the same gathered sums.
     ('cholesky', 'graft', 'expanded', ['--kl-clip-relative', '1'])])
@@ -135,10 +132,6 @@ def test_half_precision_follows_single_process(tmp_path, options):
     # a part, so the owners compute no rows.
     (4, ['80,20'], {'fc1': (4, 80, 'explicit', True),
                     'fc2': (4, 20, 'cholesky', True)}),
-    # With the relative_kl step rule the owners add their blocks' whole
-    # ⟨∇, (F + λ)∇⟩ to the gathered sums (the other parts none).
-    (4, ['--step-rule', 'relative_kl'],
-     {'fc1': (2, 50, 'cholesky', False), 'fc2': (2, 51, 'cholesky', False)}),
     # The ranks of each Cholesky-form block factor its larger factor
     # together, as from SHARED_FACTORIZATION_MIN_DIM on: fc1's G (80) in
     # two panels, fc2's A (51) in one, each over 2 ranks.
@@ -173,19 +166,6 @@ def test_split_blocks_equal_single_process(tmp_path, n, options, parts):
             assert sizes[0] == 0
         else:
             assert 0 < sizes[0] < min(sizes[1:])
-
-
-def test_relative_kl_refuses_split_blocks_whose_owner_has_no_gradient(
-        tmp_path):
-    # The owners of the '80,20' case compute no part, so receive no
-    # gradient: relative_kl, which needs it, stops the job, naming why.
-    result = mpi_helpers.run_mpi(
-        4, SCRIPT, [str(tmp_path / 'x.npz'), '--mlp', '80,20',
-                    '--step-rule', 'relative_kl',
-                    '--max-load-imbalance', '1.0'], timeout=180)
-    assert result.returncode != 0
-    assert "step_rule 'relative_kl' needs" in result.stderr
-    assert 'max_load_imbalance=None' in result.stderr
 
 
 @pytest.mark.parametrize('n', [2, 4])

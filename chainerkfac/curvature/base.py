@@ -388,32 +388,18 @@ class FisherBlock:
         self.form = None
         self.pending = None
 
-    def precondition(self, weight_decay=0.0, curvature_damping=None):
+    def precondition(self, weight_decay=0.0):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
         and returns the block's sums for the step rule
-        (:func:`chainerkfac.step_rule.block_terms`); with
-        ``curvature_damping`` λ (a rule that needs it) the last one is
-        ``⟨∇, (F + λ) ∇⟩`` (:meth:`curvature_inner`), else 0. Before its
-        first inverse a block keeps its raw gradient (``F̂ = I``: every sum
-        is ``⟨∇, ∇⟩``)."""
+        (:func:`chainerkfac.step_rule.block_terms`). Before its first
+        inverse a block keeps its raw gradient (``F̂ = I``: every sum is
+        ``⟨∇, ∇⟩``)."""
         if not self.ready():
-            return step_rule.identity_terms(self.gradient(),
-                                            curvature_damping is not None)
+            return step_rule.identity_terms(self.gradient())
         grad = self.gradient(weight_decay)
         preconditioned = self.form.apply(grad)
         self.set_gradient(preconditioned)
-        return step_rule.block_terms(
-            preconditioned, grad, 0.0 if curvature_damping is None
-            else self.curvature_inner(grad, curvature_damping))
-
-    def curvature_inner(self, grad, damping):
-        """``⟨∇, (F + λ) ∇⟩`` with the block's stored (undamped) factors
-        ``F`` and ``λ = damping``, for a gradient in the block's layout:
-        the approximate KL change of SGD's step (times ``2/η²``), which
-        :class:`chainerkfac.step_rule.RelativeKL` compares K-FAC's with."""
-        raise NotImplementedError(
-            '{} ({}) has no curvature_inner: the relative_kl step rule '
-            'needs it'.format(self.name, type(self).__name__))
+        return step_rule.block_terms(preconditioned, grad)
 
     # -- description and serialisation -----------------------------------
 

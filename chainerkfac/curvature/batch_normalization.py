@@ -100,13 +100,6 @@ class BatchNormalizationBlock(base.FisherBlock):
         return xp.concatenate([linalg.widened(p.grad.ravel())
                                for p in self.params()])
 
-    def curvature_inner(self, grad, damping):
-        """``⟨∇, (F + λ) ∇⟩`` with the diagonal or full ``F``."""
-        xp = backend.get_array_module(grad)
-        F = self.factor['F']
-        product = F * grad if F.ndim == 1 else F @ grad
-        return xp.vdot(product, grad) + damping * xp.vdot(grad, grad)
-
     def set_gradient(self, grad):
         if not self.shaped():
             return

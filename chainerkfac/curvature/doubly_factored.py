@@ -13,7 +13,6 @@ import math
 
 from chainer import backend
 
-from chainerkfac import linalg
 from chainerkfac.curvature import cost
 from chainerkfac.curvature import forms
 from chainerkfac.curvature import kronecker
@@ -142,18 +141,6 @@ class DoublyFactoredBlock(kronecker.KroneckerBlock):
 
     def output_columns(self, gy):
         return gy.T, len(gy)
-
-    def curvature_inner(self, grad, damping):
-        """``⟨∇W, (Ψ ⊗ K ⊗ G) ∇W⟩ + ⟨∇b, G ∇b⟩ + λ ‖∇‖²``."""
-        xp = backend.get_array_module(grad)
-        weights = grad[:, :self.link.W.shape[1]]
-        product = linalg.doubly_factored_product(
-            weights, self.factor['K'], self.factor['Psi'], self.factor['G'])
-        total = xp.vdot(product.ravel(), weights.ravel())
-        if self.has_bias:
-            bias = grad[:, -1]
-            total = total + xp.vdot(bias, self.factor['G'] @ bias)
-        return total + damping * xp.vdot(grad.ravel(), grad.ravel())
 
     def dims(self):
         """``(T, C, out)``; before the first input, the input's width

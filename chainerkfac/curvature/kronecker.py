@@ -234,14 +234,6 @@ class KroneckerBlock(base.FisherBlock):
         if self.has_bias:
             self.link.b.grad[...] = grad[:, d]
 
-    def curvature_inner(self, grad, damping):
-        """``⟨∇W̄, G ∇W̄ A⟩ + λ ‖∇W̄‖²``, as
-        ``(A ⊗ G) vec(∇W̄) = vec(G ∇W̄ A)``."""
-        xp = backend.get_array_module(grad)
-        product = self.factor['G'] @ grad @ self.factor['A']
-        return xp.vdot(product.ravel(), grad.ravel()) + damping * xp.vdot(
-            grad.ravel(), grad.ravel())
-
     def splittable(self):
         """Whether the family holds the forms whose rows or columns ranks
         can share (not the eigen form)."""

@@ -301,39 +301,24 @@ class HybridParallelStages(stages.Stages):
 
         def compute(block):
             """``(this rank's part of V or None, its step-rule sums or
-            None)``; the owner of a split block adds the whole block's
-            ``⟨∇, (F + λ)∇⟩`` (the other ranks hold no factors)."""
+            None)``."""
             i = index[id(block)]
-            damping = optimizer.curvature_damping(block)
             split = self.split.splits.get(i)
             if split is None:
-                return None, block.precondition(weight_decay, damping)
+                return None, block.precondition(weight_decay)
             s = parts[i]
             if split.empty(s):
-                # An owner busy enough with the inverses: no part of V, and
-                # no reduced gradient either.
-                if damping is not None:
-                    raise ValueError(
-                        "KFAC step_rule {!r} needs {}'s reduced gradient on "
-                        'its owner (rank {}), which computes no part of the '
-                        'split block and so receives none: use '
-                        'max_load_imbalance=None or another step_rule'
-                        .format(optimizer.step_rule, block.name,
-                                self.comm.rank))
+                # An owner busy enough with the inverses: no part of V.
                 return None, None
             form = self.split.part_form(block, i)
             if form is None:
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
                 part = split.part_of(block.gradient(), s)
-                return part, step_rule.identity_terms(
-                    part, damping is not None)
+                return part, step_rule.identity_terms(part)
             grad = block.gradient(weight_decay)
-            inner = 0.0 if s or damping is None \
-                else block.curvature_inner(grad, damping)
             part = form.apply(grad)
-            return part, step_rule.block_terms(part, split.part_of(grad, s),
-                                               inner)
+            return part, step_rule.block_terms(part, split.part_of(grad, s))
 
         def flops(block):
             i = index[id(block)]

@@ -77,8 +77,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             block's gradient, ``ρ_b = ‖∇_b‖ / ‖F̂_b⁻¹∇_b‖`` (learning-rate
             grafting, Agarwal et al. 2020); ``'natural'`` the
             natural-gradient step ``η F̂⁻¹∇`` (the default before
-            grafting); ``'relative_kl'`` the natural step bounded by the KL
-            change of SGD's step; ``'adaptive'`` the natural direction with
+            grafting); ``'adaptive'`` the natural direction with
             its length, the momentum and the damping chosen by the loss's
             quadratic model at every step (Martens & Grosse 2015 §6-7,
             :mod:`chainerkfac.optimizers.quadratic_model`): ``lr`` and
@@ -300,14 +299,6 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
     def create_update_rule(self):
         return KFACUpdateRule(self.hyperparam)
-
-    def curvature_damping(self, block):
-        """``λ`` of the ``⟨∇, (F + λ)∇⟩`` the step rule needs from
-        ``block`` (its own damping), or ``None`` when the rule needs none
-        (:mod:`chainerkfac.step_rule`)."""
-        if not self.step_rule.needs_curvature_inner:
-            return None
-        return block.effective_damping(self.hyperparam)
 
     def _next_step(self):
         return self.t + 1

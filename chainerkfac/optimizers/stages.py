@@ -145,8 +145,7 @@ class LocalStages(Stages):
 
     def precondition(self, optimizer, weight_decay):
         return step_rule.stack_terms(cpu_parallel.map_blocks(
-            lambda block: block.precondition(
-                weight_decay, optimizer.curvature_damping(block)),
+            lambda block: block.precondition(weight_decay),
             self.owned(optimizer.blocks),
             cpu_parallel.block_work('precondition_cost')))
 

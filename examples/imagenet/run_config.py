@@ -190,7 +190,7 @@ SCHEMA = {
     'kl_clip': (None, optional(positive)),
     # The paper's step is the natural-gradient step η F̂⁻¹∇, not the
     # optimizer's default grafted one (chainerkfac.step_rule).
-    'step_rule': ('natural', choice('natural', 'graft', 'relative_kl')),
+    'step_rule': ('natural', choice('natural', 'graft')),
     'bn_fisher': ('diagonal', choice('diagonal', 'full')),
     'inverse': ('cholesky', choice('cholesky', 'eigen')),
     'cov_ema_decay': (0.0, number(0, 1, high_open=True)),
