@@ -46,3 +46,11 @@ def submit(build, factors, damping, reuse):
         return _executor().submit(_on_own_stream, build, device.device,
                                   (copies, damping, reuse))
     return _executor().submit(build, copies, damping, reuse)
+
+
+def result(pending):
+    """The form of a pending inverse: a Future's result (waiting for it if
+    need be), or the form itself."""
+    if isinstance(pending, concurrent.futures.Future):
+        return pending.result()
+    return pending

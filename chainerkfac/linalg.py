@@ -161,7 +161,7 @@ def _cholesky_inverse(M):
         if info != 0:
             raise numpy.linalg.LinAlgError('potri failed')
         # potri fills the upper triangle; mirror it in one masked pass.
-        upper = _upper_mask(xp, M.shape[0], backend.get_device_from_array(M))
+        upper = upper_mask(xp, M.shape[0], backend.get_device_from_array(M))
         numpy.copyto(inv, inv.T, where=upper.T)
         return inv
     L = _cholesky(M)
@@ -383,7 +383,7 @@ def diagonal_inverse(diag, damping):
 _upper_masks = {}
 
 
-def _upper_mask(xp, dim, device):
+def upper_mask(xp, dim, device):
     """Boolean mask of the upper triangle (diagonal included), cached.
 
     Boolean indexing walks the matrix in C order, so ``M[mask]`` lists the
@@ -396,24 +396,3 @@ def _upper_mask(xp, dim, device):
     if mask is None:
         mask = _upper_masks[key] = xp.triu(xp.ones((dim, dim), dtype=bool))
     return mask
-
-
-def pack_symmetric(M):
-    """Upper triangle of a symmetric matrix as a flat array (d(d+1)/2).
-
-    Symmetric factors travel in this form (Osawa et al. §3.4): half the bytes.
-    """
-    xp = backend.get_array_module(M)
-    return M[_upper_mask(xp, M.shape[0], backend.get_device_from_array(M))]
-
-
-def unpack_symmetric(packed, dim, out=None):
-    """Inverse of :func:`pack_symmetric` (into ``out`` if given)."""
-    xp = backend.get_array_module(packed)
-    mask = _upper_mask(xp, dim, backend.get_device_from_array(packed))
-    M = xp.empty((dim, dim), dtype=packed.dtype) if out is None else out
-    M[mask] = packed
-    # Mᵀ[mask] walks (i, j), i <= j, in the order of ``packed``: it writes
-    # M[j, i] = M[i, j], the lower triangle.
-    M.T[mask] = packed
-    return M

@@ -33,6 +33,7 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
   damping set together (and the guard, where it binds).
+
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
 """
@@ -67,6 +68,15 @@ def stack_terms(rows):
     if not rows:
         return numpy.zeros((0, N_TERMS))
     return backend.get_array_module(rows[0]).stack(rows)
+
+
+def rescale(blocks, scales):
+    """``V_b <- scales[b] V_b`` in the gradients of each of ``blocks``."""
+    for block, factor in zip(blocks, scales):
+        if factor != 1:
+            for param in block.params():
+                if param.grad is not None:
+                    param.grad *= float(factor)
 
 
 def typical(scales):

@@ -21,7 +21,7 @@ guard is a safety net at moderate learning rates, binding where a step
 would blow the model up; at a large-batch recipe's learning rates (1-2)
 it set every step until the last epochs of the decay, and under the
 natural step (``step_rule='natural'``) at ordinary learning rates it sets
-every step (``docs/guide/tuning.md``).
+every step (``docs/benchmarks.md``).
 
 The bound grows with the global batch ``B``: with ``r = B / B₀``,
 ``B₀`` the ``kl_clip_batch`` option (64 by default; ``None`` keeps
@@ -36,7 +36,7 @@ part does not. A step at the scaled learning rate therefore has a ``q`` that
 grows like ``B`` where the noise dominates it, in small batches, and like
 ``B²`` where the mean gradient does, in large ones; the bound follows, so
 that the guard lets the same steps through at every batch. Measured under
-the natural step (``docs/guide/tuning.md``): growing like ``B`` the bound
+the natural step (``docs/benchmarks.md``): growing like ``B`` the bound
 left K-FAC behind MomentumSGD at batch 1024 on ``shapes`` (0.469 against
 0.591), like ``B²`` ahead (0.644 to 0.691); below 64, ``B²`` cost K-FAC
 its lead on the digits at batch 32.
@@ -60,7 +60,7 @@ larger. A learning-rate schedule moves the bound with ``η_t²``, as it moves
 is cut back to ``c η_t² m_t`` (to ``κ`` once ``m_t`` is small). The step
 being taken counts in ``m_t``, so the first steps of a learning rate far
 too large for the model are not told apart from those of one that learns
-and go through (measured in ``docs/guide/tuning.md``: why it is an option).
+and go through (measured in ``docs/benchmarks.md``: why it is an option).
 Every rank computes ``q`` from the same sums, so every rank holds the same
 ``m_t``.
 

@@ -448,3 +448,23 @@ def test_make_targets_and_files_the_docs_name_exist():
                     os.path.join(root, path)):
                 missing.append('{}: {}'.format(page, path))
     assert not missing, missing
+
+
+def test_options_page_documents_every_option_with_its_default():
+    # docs/options.md is the one place KFAC's options are documented: each
+    # constructor option has a row giving its default.
+    text = open(os.path.join(DOCS, 'options.md')).read()
+    rows = {line.split('|')[1].strip().strip('`'): line.split('|')[2]
+            for line in text.splitlines()
+            if line.startswith('| `') and line.count('|') >= 4}
+    for name, parameter in inspect.signature(
+            chainerkfac.optimizers.KFAC.__init__).parameters.items():
+        if name in ('self', 'unknown'):
+            continue
+        assert name in rows, name
+        shown = rows[name].split('`')[1]
+        default = parameter.default
+        if isinstance(default, float):
+            assert float(shown) == default, (name, shown)
+        else:
+            assert shown == repr(default), (name, shown)

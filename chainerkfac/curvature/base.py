@@ -14,17 +14,16 @@ Damping is applied only when building the inverse form
 :mod:`chainerkfac.linalg`); the stored statistics never contain it.
 """
 import collections
-import concurrent.futures
 import logging
 
-import numpy
 from chainer import backend
-from chainer import serializer as serializer_module
 
 from chainerkfac import background
 from chainerkfac import schedules
 from chainerkfac import step_rule
-from chainerkfac.curvature import forms
+from chainerkfac.curvature import block_state
+from chainerkfac.curvature import families
+from chainerkfac.curvature import statistics
 
 
 #: Where links that get less curvature than the options ask for are named
@@ -50,14 +49,14 @@ BlockOptions = collections.namedtuple(
      'doubly_factored_from'])
 
 
-class FisherBlock:
+class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
     """Base class of the Fisher blocks; subclasses define the factors.
 
     Attributes:
         link: The link whose parameters the block preconditions.
         name (str): The link's path in the model (e.g. ``'res2/conv1'``).
         factors (tuple of str): Names of the statistics the block keeps.
-        family (:class:`~chainerkfac.curvature.forms.Family`): The inverse
+        family (:class:`~chainerkfac.curvature.families.Family`): The inverse
             forms the block may hold and how a refresh builds one.
         form (:class:`~chainerkfac.curvature.forms.Form`): The current
             damped inverse, or ``None`` before the first.
@@ -93,7 +92,7 @@ class FisherBlock:
         self._factors_changed = False
 
     def form_family(self, options):
-        """The :class:`~chainerkfac.curvature.forms.Family` the
+        """The :class:`~chainerkfac.curvature.families.Family` the
         :class:`BlockOptions` give this block (called once, by
         ``__init__``, once :attr:`link` is set)."""
         raise NotImplementedError
@@ -104,8 +103,8 @@ class FisherBlock:
         stages fix the form of a block whose preconditioning they split
         over ranks, as the split depends on it
         (:mod:`chainerkfac.distributed.split`)."""
-        self.family = forms.Family(self.family.kinds, build,
-                                   self.family.damping)
+        self.family = families.Family(self.family.kinds, build,
+                                      self.family.damping)
 
     @classmethod
     def unsupported_reason(cls, link):
@@ -159,44 +158,6 @@ class FisherBlock:
         """
         raise NotImplementedError
 
-    def statistics_out(self, factor, shape, like):
-        """The array a block writes the next statistics of ``factor`` into
-        (with ``out=``) before :meth:`_accumulate` takes them.
-
-        The first statistics of a step go straight into the block's sum,
-        an array of ``shape`` kept from one refresh to the next: a new
-        factor-sized array on every refresh is fresh memory, which on some
-        machines costs more than the products written into it (see
-        ``docs/guide/troubleshooting.md``). Later statistics of the same
-        step (a link called twice) get a new array, which
-        :meth:`_accumulate` adds. ``like`` gives the dtype and device.
-        """
-        total = self._sum[factor]
-        if self._count[factor] or total is None or total.shape != shape \
-                or total.dtype != like.dtype or \
-                not total.flags.c_contiguous or \
-                backend.get_device_from_array(total) != \
-                backend.get_device_from_array(like):
-            xp = backend.get_array_module(like)
-            return xp.empty(shape, dtype=like.dtype)
-        return total
-
-    def _accumulate(self, factor, value, n_samples):
-        """Adds a sum over ``n_samples`` per-sample terms to ``factor``."""
-        if not self._count[factor]:
-            self._sum[factor] = value
-        elif value is not self._sum[factor]:
-            self._sum[factor] += value
-        self._count[factor] += n_samples
-
-    def has_pending_statistics(self):
-        """Whether statistics were collected since the last step."""
-        return any(self._count.values())
-
-    def discard_statistics(self):
-        """Drops the statistics collected since the last step."""
-        self._count = dict.fromkeys(self.factors, 0)
-
     def gradient_loss_scale(self):
         """The loss scale the block's gradients (and so its backward
         statistics) were computed with, or ``None``: what ``backward``
@@ -205,24 +166,6 @@ class FisherBlock:
         on the parameter only, as a private attribute, which its own update
         rules read the same way."""
         return self.params()[0]._loss_scale
-
-    def take_statistics(self, loss_scale=None):
-        """Batch means of the statistics collected since the last step.
-
-        ``loss_scale`` (see :meth:`gradient_loss_scale`) is divided out of
-        the backward factors, which are quadratic in the output gradient.
-        """
-        stats = {}
-        for f in self.factors:
-            if self._count[f]:
-                # In the block's sum, which the next statistics overwrite.
-                mean = self._sum[f]
-                mean /= self._count[f]
-                if f not in self.forward_factors and loss_scale is not None:
-                    mean /= loss_scale * loss_scale
-                stats[f] = mean
-        self.discard_statistics()
-        return stats
 
     # -- factors and inverses (called by the optimizer) ------------------
 
@@ -310,7 +253,7 @@ class FisherBlock:
         be); returns whether it did."""
         if self.pending is None or step < self.pending[0]:
             return False
-        self.form = _result(self.pending[1])
+        self.form = background.result(self.pending[1])
         self.pending = None
         return True
 
@@ -319,7 +262,8 @@ class FisherBlock:
         # worker's Future.
         state = dict(self.__dict__)
         if self.pending is not None:
-            state['pending'] = self.pending[0], _result(self.pending[1])
+            state['pending'] = (self.pending[0],
+                                background.result(self.pending[1]))
         return state
 
     def effective_damping(self, hyperparam):
@@ -420,98 +364,3 @@ class FisherBlock:
         arrays = list(self.factor.values()) + list(self._sum.values())
         return sum(a.nbytes for a in arrays if a is not None) + (
             0 if self.form is None else self.form.nbytes)
-
-    def in_snapshot(self, deserializer):
-        """Whether ``deserializer`` (this block's part of a snapshot) holds
-        the block's state at all."""
-        try:
-            deserializer(_present_key(self.factors[0]), 0)
-        except KeyError:
-            return False
-        return True
-
-    def _serialize_array(self, serializer, key, value):
-        present = int(serializer(_present_key(key), int(value is not None)))
-        if not present:
-            return None
-        if isinstance(serializer, serializer_module.Deserializer):
-            loaded = numpy.asarray(serializer(key, None))
-            if not numpy.isfinite(loaded).all():
-                raise ValueError('snapshot holds a non-finite {} of K-FAC '
-                                 'layer {}'.format(key, self.name))
-            device = backend.get_device_from_array(self.params()[0].array)
-            return device.send(loaded)
-        serializer(key, value)
-        return value
-
-    def serialize_schedules(self, serializer):
-        """Saves or loads the factors' refresh schedules alone: what every
-        process of a distributed run keeps of every block (it follows the
-        owner's refreshes), the factors and inverse aside."""
-        for f in self.factors:
-            self.schedules[f].serialize(serializer['schedule_' + f])
-
-    def serialize(self, serializer):
-        """Saves or loads the factors, inverses and refresh state."""
-        for f in self.factors:
-            self.factor[f] = self._serialize_array(
-                serializer, f, self.factor[f])
-        self.serialize_schedules(serializer)
-        self.inverse_schedule.serialize(serializer['schedule_inverse'])
-        self._factors_changed = bool(
-            serializer('factors_changed', self._factors_changed))
-        self.form = self._serialize_form(serializer, 'inverse_', self.form)
-        self._serialize_pending(serializer)
-
-    def _serialize_form(self, serializer, prefix, form):
-        """Saves ``form`` under keys starting with ``prefix`` (its arrays
-        and damping), or returns the form loaded from them."""
-        arrays = {} if form is None else form.arrays
-        loaded = {}
-        for key in forms.snapshot_keys(self.family.kinds):
-            value = self._serialize_array(serializer, prefix + key,
-                                          arrays.get(key))
-            if value is not None:
-                loaded[key] = value
-        # The current form's damping keeps the key snapshots always had.
-        damping_key = 'damping_used' if prefix == 'inverse_' \
-            else prefix + 'damping'
-        used = serializer(damping_key, -1.0 if form is None
-                          else form.damping)
-        if not isinstance(serializer, serializer_module.Deserializer):
-            return form
-        return forms.restore(self.family.kinds, loaded,
-                             None if float(used) < 0 else float(used))
-
-    def _serialize_pending(self, serializer):
-        """The inverse built in the background and the step it takes
-        effect at: a snapshot waits for it and keeps it, so that the
-        resumed run puts it in place at the same step."""
-        loading = isinstance(serializer, serializer_module.Deserializer)
-        if not loading and self.pending is not None:
-            self.pending = self.pending[0], _result(self.pending[1])
-        try:
-            at = int(serializer('pending_step', -1 if self.pending is None
-                                else self.pending[0]))
-        except KeyError:
-            # Written before inverses could be built in the background.
-            at = -1
-        if loading and at < 0:
-            self.pending = None
-            return
-        form = self._serialize_form(
-            serializer, 'pending_', self.pending and self.pending[1])
-        if loading:
-            self.pending = at, form
-
-
-def _result(pending):
-    """The form of a pending inverse: a Future's result, or the form."""
-    if isinstance(pending, concurrent.futures.Future):
-        return pending.result()
-    return pending
-
-
-def _present_key(key):
-    """The entry that says whether array ``key`` of a block is stored."""
-    return key + '@present'

@@ -22,7 +22,7 @@ import numpy
 from chainerkfac import linalg
 from chainerkfac.curvature import base
 from chainerkfac.curvature import cost
-from chainerkfac.curvature import forms
+from chainerkfac.curvature import families
 
 
 class BatchNormalizationBlock(base.FisherBlock):
@@ -35,7 +35,7 @@ class BatchNormalizationBlock(base.FisherBlock):
         self.bn_fisher = options.bn_fisher
 
     def form_family(self, options):
-        return forms.BATCH_NORM[options.bn_fisher, options.inverse]
+        return families.BATCH_NORM[options.bn_fisher, options.inverse]
 
     def params(self):
         return [p for p in (getattr(self.link, 'gamma', None),

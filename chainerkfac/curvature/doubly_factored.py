@@ -14,7 +14,7 @@ import math
 from chainer import backend
 
 from chainerkfac.curvature import cost
-from chainerkfac.curvature import forms
+from chainerkfac.curvature import families
 from chainerkfac.curvature import kronecker
 
 
@@ -89,7 +89,7 @@ class DoublyFactoredBlock(kronecker.KroneckerBlock):
         self.layout = None
 
     def form_family(self, options):
-        return forms.doubly_factored(self.has_bias)
+        return families.doubly_factored(self.has_bias)
 
     def feature_map(self, x):
         """``x`` as ``(n, C, T)``, fixing :attr:`layout` at the first

@@ -44,6 +44,7 @@ import numpy
 from chainerkfac import linalg
 from chainerkfac.curvature import base
 from chainerkfac.curvature import cost
+from chainerkfac.curvature import families
 from chainerkfac.curvature import forms
 
 
@@ -83,7 +84,7 @@ class KroneckerBlock(base.FisherBlock):
         self.conv_factors = options.conv_factors
 
     def form_family(self, options):
-        return forms.KRONECKER[options.inverse]
+        return families.KRONECKER[options.inverse]
 
     def _kept(self, batch):
         """The samples the statistics use: the first ``⌈n/k⌉``."""

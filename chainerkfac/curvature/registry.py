@@ -65,3 +65,31 @@ register(L.Convolution2D, convolution_2d.Convolution2DBlock)
 # The same im2col Kronecker factors, with its dilation (not a subclass).
 register(L.DilatedConvolution2D, convolution_2d.Convolution2DBlock)
 register(L.BatchNormalization, batch_normalization.BatchNormalizationBlock)
+
+
+def coverage(model, blocks, unsupported, placement=None):
+    """The lines of a table of what updates each link of ``model``: each
+    of ``blocks`` (with the rank that owns it, ``placement[i]``, in a
+    distributed run), each link of ``unsupported`` (``(name, reason)``
+    pairs: momentum SGD), the other parameters that momentum SGD updates,
+    and those nothing updates (added after setup)."""
+    covered = {id(p) for b in blocks for p in b.params()}
+    params = list(model.namedparams(include_uninit=True))
+    # A parameter added after setup has no update rule: nothing updates
+    # it, as with MomentumSGD.
+    frozen = [name for name, p in params if p.update_rule is None]
+    sgd = [name for name, p in params
+           if id(p) not in covered and p.update_rule is not None]
+    rows = [(b.name, b.describe() if placement is None
+             else '{}; {}'.format(b.describe(), placement[i]))
+            for i, b in enumerate(blocks)]
+    rows += [(name, 'momentum SGD: {}'.format(reason))
+             for name, reason in unsupported]
+    width = max([len(r[0]) for r in rows] + [4])
+    lines = ['  {:<{}}  {}'.format(n, width, d) for n, d in rows]
+    if sgd:
+        lines.append('  momentum SGD parameters: {}'.format(', '.join(sgd)))
+    if frozen:
+        lines.append('  not updated (added after setup; call setup again): '
+                     '{}'.format(', '.join(frozen)))
+    return lines

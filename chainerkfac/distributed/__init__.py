@@ -13,7 +13,7 @@ from chainerkfac.distributed.assignment import Assignment  # NOQA
 from chainerkfac.distributed.assignment import BlockCost  # NOQA
 from chainerkfac.distributed.consistency import check_same_options  # NOQA
 from chainerkfac.distributed.consistency import check_same_structure  # NOQA
-from chainerkfac.distributed.communicator import ArrivalTimeout  # NOQA
+from chainerkfac.distributed.arrival import ArrivalTimeout  # NOQA
 from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA
     install_global_except_hook)

@@ -87,7 +87,7 @@ class Layout:
                 if len(shape) == 2:
                     # Into the block's sum, which its own statistics
                     # left once packed.
-                    stats[f] = linalg.unpack_symmetric(
+                    stats[f] = unpack_symmetric(
                         flat, shape[0], block.statistics_out(f, shape, flat))
                 else:
                     stats[f] = flat.reshape(shape)
@@ -134,7 +134,7 @@ class Layout:
 
 
 def _pack(stat):
-    return linalg.pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
+    return pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
 
 
 def average_replicated(comm, arrays):
@@ -149,3 +149,65 @@ def average_replicated(comm, arrays):
     for a in arrays:
         a[...] = flat[offset:offset + a.size].reshape(a.shape)
         offset += a.size
+
+
+def pack_symmetric(M):
+    """Upper triangle of a symmetric matrix as a flat array (d(d+1)/2).
+
+    Symmetric factors travel in this form (Osawa et al. §3.4): half the bytes.
+    """
+    mask = linalg.upper_mask(backend.get_array_module(M), M.shape[0],
+                             backend.get_device_from_array(M))
+    return M[mask]
+
+
+def unpack_symmetric(packed, dim, out=None):
+    """Inverse of :func:`pack_symmetric` (into ``out`` if given)."""
+    xp = backend.get_array_module(packed)
+    mask = linalg.upper_mask(xp, dim, backend.get_device_from_array(packed))
+    M = xp.empty((dim, dim), dtype=packed.dtype) if out is None else out
+    M[mask] = packed
+    # Mᵀ[mask] walks (i, j), i <= j, in the order of ``packed``: it writes
+    # M[j, i] = M[i, j], the lower triangle.
+    M.T[mask] = packed
+    return M
+
+
+# Checks of a collective's arguments, each a ValueError that says what is
+# wrong.
+
+def check_counts(counts, size):
+    """``counts`` as ints: one non-negative size per rank of ``size``."""
+    counts = [int(c) for c in counts]
+    if len(counts) != size or min(counts) < 0:
+        raise ValueError('counts must hold {} non-negative sizes, one per '
+                         'rank, got {!r}'.format(size, counts))
+    return counts
+
+
+def check_segments(counts, sendbuf, size):
+    """``(counts, sendbuf)`` of a send buffer holding one segment per rank
+    (:func:`check_counts`, :func:`check_flat`), their sizes agreeing."""
+    counts = check_counts(counts, size)
+    sendbuf = check_flat(sendbuf, 'sendbuf')
+    if sendbuf.size != sum(counts):
+        raise ValueError('sendbuf has {} elements but counts sum to '
+                         '{}'.format(sendbuf.size, sum(counts)))
+    return counts, sendbuf
+
+
+def check_flat(array, what):
+    """``array`` (named ``what``), 1-D, as a contiguous array."""
+    if array.ndim != 1:
+        raise ValueError('{} must be 1-D, got shape {}'.format(
+            what, array.shape))
+    return backend.get_array_module(array).ascontiguousarray(array)
+
+
+def check_contiguous_float(array):
+    """In-place collectives need the array's own memory: a C-contiguous
+    float array."""
+    if not array.flags.c_contiguous or array.dtype.kind != 'f':
+        raise ValueError('expected a C-contiguous float array, got dtype '
+                         '{} with strides {}'.format(array.dtype,
+                                                     array.strides))

@@ -22,7 +22,7 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
   :meth:`~KfacCommunicatorMixin.bcast_array` for the rest;
 * :meth:`~KfacCommunicatorMixin.arrive`: every rank's small value, with a
   deadline after which the ranks that did not send theirs are named
-  (:class:`ArrivalTimeout`) instead of waited for.
+  (:mod:`chainerkfac.distributed.arrival`) instead of waited for.
 
 Together the two ``v`` collectives move what one allreduce moves (an
 allreduce is a reduce-scatter followed by an all-gather), which is why the
@@ -39,13 +39,12 @@ on a machine with neither.
 """
 import abc
 import functools
-import time
 
 import numpy
 
-import chainer
-
 from chainerkfac import timing
+from chainerkfac.distributed import arrival
+from chainerkfac.distributed import buffers
 from chainerkfac.distributed import scaling
 
 
@@ -54,15 +53,6 @@ from chainerkfac.distributed import scaling
 #: ``bcast_array``, ``bcast_data`` and ``group_bcast``.
 COLLECTIVES = ('allreduce', 'reduce_scatter_v', 'all_gather_v', 'alltoall_v',
                'bcast')
-
-
-class ArrivalTimeout(RuntimeError):
-    """Ranks did not reach :meth:`KfacCommunicatorMixin.arrive` in time."""
-
-
-#: The tag of :meth:`KfacCommunicatorMixin.arrive`'s messages (on a
-#: communicator of their own).
-_ARRIVAL_TAG = 2039
 
 
 def _communication(collective):
@@ -179,39 +169,12 @@ class KfacCommunicatorMixin(abc.ABC):
     # A rendezvous with a deadline.
 
     def arrive(self, value, deadline, what):
-        """Every rank's ``value`` (a small picklable object), in rank order.
-
-        Rank 0 collects the values point to point and sends every rank the
-        list. With ``deadline`` seconds (``None``: wait for ever), rank 0
-        raises :class:`ArrivalTimeout` naming the ranks whose value did not
-        come in that time and ``what`` they were to start (the global
-        except hook then ends the job); another rank waits a little longer
-        for rank 0's answer before naming rank 0. A blocking collective
-        could only wait: the ranks that never arrive stay unknown.
-        """
-        size = self.mpi_comm.size
-        if size == 1:
-            return [value]
-        comm = self._arrival_comm
-        rank, start = comm.rank, time.monotonic()
-        if rank == 0:
-            pending = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG)
-                       for r in range(1, size)}
-            values = {0: value}
-            _wait(pending, values, start, deadline, what,
-                  lambda ranks: 'rank(s) ' + ', '.join(map(str, ranks)))
-            everyone = [values[r] for r in range(size)]
-            for r in range(1, size):
-                comm.send(everyone, dest=r, tag=_ARRIVAL_TAG)
-            return everyone
-        sent = comm.isend(value, dest=0, tag=_ARRIVAL_TAG)
-        answer = {0: comm.irecv(source=0, tag=_ARRIVAL_TAG)}
-        received = {}
-        _wait(answer, received, start,
-              None if deadline is None else 1.1 * deadline + 5, what,
-              lambda ranks: "rank 0, which gathers every rank's arrival,")
-        sent.wait()
-        return received[0]
+        """Every rank's ``value`` (a small picklable object), in rank
+        order, or :class:`~chainerkfac.distributed.ArrivalTimeout` naming
+        the ranks that did not send theirs within ``deadline`` seconds
+        (:func:`chainerkfac.distributed.arrival.rendezvous`, on this
+        communicator's own duplicate of its MPI communicator)."""
+        return arrival.rendezvous(self._arrival_comm, value, deadline, what)
 
     # Byte counters.
 
@@ -257,7 +220,7 @@ class KfacCommunicatorMixin(abc.ABC):
         Returns:
             A new 1-D array of ``counts[rank]`` elements.
         """
-        counts, sendbuf = self._check_segments(counts, sendbuf)
+        counts, sendbuf = buffers.check_segments(counts, sendbuf, self.size)
         if self.size == 1:
             return sendbuf.copy()
         wire, scales = self._encode(sendbuf, 0, sendbuf.size, groups,
@@ -289,8 +252,8 @@ class KfacCommunicatorMixin(abc.ABC):
         Returns:
             A new 1-D array of ``sum(counts)`` elements.
         """
-        counts = self._check_counts(counts)
-        sendbuf = self._check_flat(sendbuf, 'sendbuf')
+        counts = buffers.check_counts(counts, self.size)
+        sendbuf = buffers.check_flat(sendbuf, 'sendbuf')
         if sendbuf.size != counts[self.rank]:
             raise ValueError('rank {} sends {} elements but counts[{}] is '
                              '{}'.format(self.rank, sendbuf.size, self.rank,
@@ -320,7 +283,7 @@ class KfacCommunicatorMixin(abc.ABC):
             ``(recvbuf, recv_counts)``: a new 1-D array and the number of
             its elements that came from each rank.
         """
-        counts, sendbuf = self._check_segments(counts, sendbuf)
+        counts, sendbuf = buffers.check_segments(counts, sendbuf, self.size)
         if self.size == 1:
             return sendbuf.copy(), counts
         recv_counts = [int(c) for c in self.mpi_comm.alltoall(counts)]
@@ -335,7 +298,7 @@ class KfacCommunicatorMixin(abc.ABC):
         it: gradients of parameters outside the K-FAC blocks, and statistics
         that every rank needs (the paper's stages have no such parameters;
         its stage 3 reduce-scatters the blocks' gradients)."""
-        self._check_contiguous_float(array)
+        buffers.check_contiguous_float(array)
         if self.size == 1:
             return array
         self._allreduce_sum(array)
@@ -348,7 +311,7 @@ class KfacCommunicatorMixin(abc.ABC):
         """Overwrites ``array`` with its value on ``root``, in place, and
         returns it. Every rank passes an array of the same shape and
         dtype."""
-        self._check_contiguous_float(array)
+        buffers.check_contiguous_float(array)
         if self.size == 1:
             return array
         self._bcast(array, root)
@@ -374,7 +337,7 @@ class KfacCommunicatorMixin(abc.ABC):
         which it must call before it changes ``array`` (the other ranks
         always wait for their copy).
         """
-        self._check_contiguous_float(array)
+        buffers.check_contiguous_float(array)
         ranks = [int(r) for r in ranks]
         if root not in ranks or self.rank not in ranks or \
                 len(set(ranks)) != len(ranks) or \
@@ -420,40 +383,6 @@ class KfacCommunicatorMixin(abc.ABC):
             param.data.size * self._data_wire_itemsize(param.data)
             for param in model.params() if param.data is not None))
 
-    # Helpers.
-
-    def _check_counts(self, counts):
-        counts = [int(c) for c in counts]
-        if len(counts) != self.size or min(counts) < 0:
-            raise ValueError('counts must hold {} non-negative sizes, one per '
-                             'rank, got {!r}'.format(self.size, counts))
-        return counts
-
-    def _check_segments(self, counts, sendbuf):
-        # A send buffer holding one segment per rank.
-        counts = self._check_counts(counts)
-        sendbuf = self._check_flat(sendbuf, 'sendbuf')
-        if sendbuf.size != sum(counts):
-            raise ValueError('sendbuf has {} elements but counts sum to '
-                             '{}'.format(sendbuf.size, sum(counts)))
-        return counts, sendbuf
-
-    @staticmethod
-    def _check_flat(array, what):
-        if array.ndim != 1:
-            raise ValueError('{} must be 1-D, got shape {}'.format(
-                what, array.shape))
-        xp = chainer.backend.get_array_module(array)
-        return xp.ascontiguousarray(array)
-
-    @staticmethod
-    def _check_contiguous_float(array):
-        # In-place collectives need the array's own memory.
-        if not array.flags.c_contiguous or array.dtype.kind != 'f':
-            raise ValueError('expected a C-contiguous float array, got dtype '
-                             '{} with strides {}'.format(array.dtype,
-                                                         array.strides))
-
     def _encode(self, array, offset, total, groups, n_summands,
                 collective):
         """:func:`scaling.encode <chainerkfac.distributed.scaling.encode>`
@@ -466,30 +395,3 @@ class KfacCommunicatorMixin(abc.ABC):
         return wire, scales
 
     _decode = staticmethod(scaling.decode)
-
-
-def _wait(pending, values, start, deadline, what, who):
-    """Moves the values of the completed requests of ``pending`` (rank ->
-    request) into ``values`` until none is pending; after ``deadline``
-    seconds from ``start`` raises :class:`ArrivalTimeout`, naming the ranks
-    still pending by ``who(ranks)``. Polls with a growing pause (up to
-    2 ms), so that a waiting rank leaves its core to the ones at work."""
-    pause = 1e-5
-    while pending:
-        for r, request in list(pending.items()):
-            done, value = request.test()
-            if done:
-                values[r] = value
-                del pending[r]
-        if not pending:
-            return
-        waited = time.monotonic() - start
-        if deadline is not None and waited > deadline:
-            raise ArrivalTimeout(
-                '{}: waited {:.0f} s for {} to start it: a rank that left '
-                'its training loop early, or is still busy with work of its '
-                'own (every rank calls update() as many times; '
-                'create_multi_node_optimizer(..., arrival_deadline=None) '
-                'waits for ever)'.format(what, waited, who(sorted(pending))))
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-3)

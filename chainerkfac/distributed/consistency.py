@@ -3,11 +3,14 @@
 Ranks that disagree would pack buffers of different layouts, or call
 collectives at different steps, and either hang, crash in MPI with an error
 that names nothing ("Message truncated"), or train silently on different
-trajectories. Each check is one object all-gather at set-up (nothing at
+trajectories. Each check at set-up is one object all-gather (nothing at
 size 1) and raises the same ``ValueError`` on every rank, naming the first
-item that differs and which ranks hold which version of it.
+item that differs and which ranks hold which version of it; at every update
+the ranks check that they start the same iteration and feed equal batches.
 """
 import zlib
+
+from chainerkfac import timing
 
 
 def check_same(comm, items, subject, what):
@@ -75,3 +78,47 @@ def _describe(param):
     if param.array is None:
         return 'uninitialized'
     return 'shape {} {}'.format(tuple(param.shape), param.dtype)
+
+
+def check_same_step(comm, optimizer, deadline):
+    """Every rank starts the update within ``deadline`` seconds, at the
+    same iteration, and each resuming from a snapshot or none: a rank
+    that left its loop, or a snapshot loaded on some ranks only, would
+    leave the others waiting in a collective for ever. One small message
+    to rank 0 and back an update (:meth:`KfacCommunicatorMixin.arrive
+    <chainerkfac.distributed.KfacCommunicatorMixin.arrive>`); raises
+    ``ValueError`` naming each rank's iteration otherwise."""
+    with timing.timed(comm.stage_timer, 'communication'):
+        states = comm.arrive((optimizer.t, optimizer.resuming), deadline,
+                             'K-FAC iteration {}'.format(optimizer.t + 1))
+    if len(set(states)) == 1:
+        return
+    loaded = [rank for rank, (_, resuming) in enumerate(states) if resuming]
+    raise ValueError(
+        'the ranks are at different iterations or not all resume a '
+        'snapshot: {}. Every rank loads its own snapshot files '
+        '(chainerkfac.snapshot_files) before the next update{}'.format(
+            ', '.join('rank {} at iteration {}{}'.format(
+                rank, t, ', snapshot loaded' if resuming else '')
+                for rank, (t, resuming) in enumerate(states)),
+            '' if not loaded else ' (loaded on rank(s) {} only)'.format(
+                ', '.join(map(str, loaded)))))
+
+
+def check_equal_batches(sizes, step):
+    """Raises ``ValueError`` naming each rank's batch where the ranks fed
+    batches of different sizes (``sizes``, in rank order) at iteration
+    ``step``: the gradients and statistics are averaged over ranks with
+    equal weights, which would count each sample of a smaller batch more
+    than one process on the same samples does. (A rank whose forward
+    passes were not counted, 0, is left alone.)"""
+    if min(sizes) > 0 and len(set(sizes)) > 1:
+        raise ValueError(
+            'the ranks fed batches of different sizes at iteration {} ({}): '
+            'distributed K-FAC averages the ranks with equal weights, '
+            'which equals one process on the same samples only when every '
+            'rank has as many; give every rank the same batch size '
+            '(chainermn.scatter_dataset shards of equal length, a '
+            'repeating iterator)'.format(step, ', '.join(
+                'rank {}: {}'.format(rank, n)
+                for rank, n in enumerate(sizes))))

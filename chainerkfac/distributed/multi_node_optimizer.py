@@ -61,20 +61,10 @@ class HybridParallelStages(stages.Stages):
     ``Lasso``) act exactly as in one process; a hook that needs every
     gradient at once (``GradientClipping``) is rejected with an error.
 
-    Args:
-        communicator: A communicator from
-            :func:`~chainerkfac.create_communicator`.
-        max_load_imbalance (float or None): Split the preconditioning of
-            large Kronecker blocks over ranks until the model-parallel load
-            imbalance (max/mean, see
-            :func:`~chainerkfac.distributed.assign_blocks`) is at most this;
-            ``None`` gives every block a single rank.
-        arrival_deadline (float or None): Seconds the ranks wait at the
-            start of an update for every rank to start it too; after that
-            rank 0 raises :class:`~chainerkfac.distributed.ArrivalTimeout`
-            naming the ranks that did not and the iteration, and the job
-            ends (instead of hanging in the step's first collective).
-            ``None`` waits for ever.
+    ``communicator`` comes from :func:`~chainerkfac.create_communicator`;
+    ``max_load_imbalance`` (splitting large blocks over ranks) and
+    ``arrival_deadline`` (seconds the ranks wait for each other at the start
+    of an update) are on the options page (``docs/options.md``).
     """
 
     def __init__(self, communicator, max_load_imbalance=1.1,
@@ -126,33 +116,10 @@ class HybridParallelStages(stages.Stages):
     def rank_and_size(self):
         return self.comm.rank, self.comm.size
 
-    def _check_same_step(self, optimizer):
-        """Every rank starts the update within ``arrival_deadline``, at the
-        same iteration, and each resuming from a snapshot or none: a rank
-        that left its loop, or a snapshot loaded on some ranks only, would
-        leave the others waiting in a collective for ever. One small
-        message to rank 0 and back an update."""
-        with timing.timed(self.comm.stage_timer, 'communication'):
-            states = self.comm.arrive(
-                (optimizer.t, optimizer.resuming), self.arrival_deadline,
-                'K-FAC iteration {}'.format(optimizer.t + 1))
-        if len(set(states)) == 1:
-            return
-        loaded = [rank for rank, (_, resuming) in enumerate(states)
-                  if resuming]
-        raise ValueError(
-            'the ranks are at different iterations or not all resume a '
-            'snapshot: {}. Every rank loads its own snapshot files '
-            '(chainerkfac.snapshot_files) before the next update{}'.format(
-                ', '.join('rank {} at iteration {}{}'.format(
-                    rank, t, ', snapshot loaded' if resuming else '')
-                    for rank, (t, resuming) in enumerate(states)),
-                '' if not loaded else ' (loaded on rank(s) {} only)'.format(
-                    ', '.join(map(str, loaded)))))
-
     def prepare(self, optimizer):
         self.comm.stage_timer = optimizer.stage_timer
-        self._check_same_step(optimizer)
+        consistency.check_same_step(self.comm, optimizer,
+                                    self.arrival_deadline)
         if self._needs_broadcast:
             self._broadcast_parameters(optimizer)
         hooks = optimizer.whole_model_hooks()
@@ -406,7 +373,7 @@ class HybridParallelStages(stages.Stages):
             digests.append(segment[-1])
         if len(set(digests)) > 1:
             self._check_options(optimizer)
-        _check_equal_batches(sizes, optimizer.t)
+        consistency.check_equal_batches(sizes, optimizer.t)
         step = optimizer.t
         assembled = {i: xp.empty(layout.shapes[i], dtype=dtype)
                      for i in splits}
@@ -429,21 +396,3 @@ class HybridParallelStages(stages.Stages):
         for i, grad in assembled.items():
             blocks[i].set_gradient(grad)
         return totals, float(sum(sizes))
-
-
-def _check_equal_batches(sizes, step):
-    """Raises ``ValueError`` naming each rank's batch where the ranks fed
-    batches of different sizes: the gradients and statistics are averaged
-    over ranks with equal weights, which would count each sample of a
-    smaller batch more than one process on the same samples does. (A rank
-    whose forward passes were not counted, 0, is left alone.)"""
-    if min(sizes) > 0 and len(set(sizes)) > 1:
-        raise ValueError(
-            'the ranks fed batches of different sizes at iteration {} ({}): '
-            'distributed K-FAC averages the ranks with equal weights, '
-            'which equals one process on the same samples only when every '
-            'rank has as many; give every rank the same batch size '
-            '(chainermn.scatter_dataset shards of equal length, a '
-            'repeating iterator)'.format(step, ', '.join(
-                'rank {}: {}'.format(rank, n)
-                for rank, n in enumerate(sizes))))

@@ -33,6 +33,7 @@ from chainer import backend
 from chainerkfac import linalg
 from chainerkfac.curvature import cost
 from chainerkfac.curvature import forms
+from chainerkfac.distributed import buffers
 from chainerkfac.distributed import cholesky
 
 
@@ -159,7 +160,7 @@ class Split:
 def _pack(array, triangular):
     # A lower Cholesky factor travels as its triangle, half the bytes.
     if triangular:
-        return linalg.pack_symmetric(array.T)
+        return buffers.pack_symmetric(array.T)
     return array.ravel()
 
 
@@ -172,7 +173,7 @@ def _unpack(flat, shape, triangular):
         # The transpose of the upper triangle is the lower factor in
         # Fortran order, which LAPACK's solves take without a copy (a
         # C-ordered one made a part's solves 1.4x slower).
-        return xp.triu(linalg.unpack_symmetric(flat[:size], d)).T, size
+        return xp.triu(buffers.unpack_symmetric(flat[:size], d)).T, size
     size = shape[0] * shape[1]
     return flat[:size].reshape(shape), size
 

@@ -1,4 +1,5 @@
-"""Gradient accumulation: one batch as ``acc_iters`` micro-batches."""
+"""The gradients of a step: one batch as ``acc_iters`` micro-batches
+(gradient accumulation), their gradients averaged."""
 
 
 def micro_batches(args, kwds, k):
@@ -22,3 +23,25 @@ def micro_batches(args, kwds, k):
     return [(tuple(part(a, i) for a in args),
              {key: part(a, i) for key, a in kwds.items()})
             for i in range(k)]
+
+
+def gradients(optimizer, lossfun, args, kwds):
+    """The forward and backward stages: clears the gradients of
+    ``optimizer.target`` and accumulates those of ``lossfun`` over
+    ``optimizer.acc_iters`` micro-batches of the batch, their mean (at the
+    optimizer's loss scale); returns the mean loss."""
+    optimizer.target.cleargrads()
+    losses = []
+    for chunk_args, chunk_kwds in micro_batches(args, kwds,
+                                                optimizer.acc_iters):
+        with optimizer.timing('forward'):
+            loss = lossfun(*chunk_args, **chunk_kwds)
+        with optimizer.timing('backward'):
+            loss.backward(loss_scale=optimizer.loss_scale)
+        losses.append(loss.array)
+        del loss
+    if optimizer.acc_iters > 1:
+        for param in optimizer.target.params():
+            if param.grad is not None:
+                param.grad /= optimizer.acc_iters
+    return float(sum(losses)) / len(losses)

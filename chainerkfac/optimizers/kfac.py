@@ -20,10 +20,8 @@ import chainer
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
-from chainerkfac import cpu_parallel
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
-from chainerkfac import schedules
 from chainerkfac import step_rule as step_rule_module
 from chainerkfac import timing as timing_module
 from chainerkfac import update_norm
@@ -33,6 +31,7 @@ from chainerkfac.optimizers import accumulation
 from chainerkfac.optimizers import nonfinite
 from chainerkfac.optimizers import options
 from chainerkfac.optimizers import quadratic_model  # NOQA  (its rule)
+from chainerkfac.optimizers import refresh
 from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages as stages_module
 
@@ -62,154 +61,16 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     Swap it in for MomentumSGD; :meth:`setup` finds every Linear,
     Convolution2D and BatchNormalization link (and links registered with
     :func:`chainerkfac.curvature.register`) and preconditions their
-    gradients; all other parameters get momentum SGD.
+    gradients; all other parameters get momentum SGD. One step::
 
-    Args:
-        lr (float): Learning rate η: ``v <- momentum v - η ρ F̂⁻¹∇``, with
-            the step rule's scale ``ρ`` per block; under the default
-            grafted step each layer's step is as long as MomentumSGD's at
-            the same learning rate, so its value and schedule carry over.
-        momentum (float): Momentum coefficient; 0 gives
-            ``w <- w - η ρ F̂⁻¹∇``.
-        step_rule (str or :class:`~chainerkfac.step_rule.StepRule`): How
-            long each block's step is (:mod:`chainerkfac.step_rule`):
-            ``'graft'`` (default) K-FAC's direction with the length of the
-            block's gradient, ``ρ_b = ‖∇_b‖ / ‖F̂_b⁻¹∇_b‖`` (learning-rate
-            grafting, Agarwal et al. 2020); ``'natural'`` the
-            natural-gradient step ``η F̂⁻¹∇`` (the default before
-            grafting); ``'adaptive'`` the natural direction with
-            its length, the momentum and the damping chosen by the loss's
-            quadratic model at every step (Martens & Grosse 2015 §6-7,
-            :mod:`chainerkfac.optimizers.quadratic_model`): ``lr`` and
-            ``momentum`` are then not used, ``damping`` is the first
-            ``λ``, the guard is off; it needs ``update(classifier, x, t)``
-            with a ``chainer.links.Classifier`` of softmax cross-entropy.
-        damping (float): Tikhonov damping ε (see :mod:`chainerkfac.linalg`
-            for how each inverse applies it).
-        cov_ema_decay (float): Weight of the *old* statistics in
-            ``C <- d C + (1 - d) C_new``; 0 keeps fresh statistics only.
-        inverse (str): ``'cholesky'`` (factored damping with π; explicit
-            inverses, or Cholesky factors for inverses used for few steps)
-            or ``'eigen'`` (eigendecompositions, exact damping).
-        bn_fisher (str): ``'diagonal'`` (paper §5.4) or ``'full'``
-            (``2C x 2C``) Fisher for BatchNormalization.
-        factor_interval: Steps between refreshes of the statistics: an int,
-            a callable ``f(iteration) -> int``, a
-            :class:`~chainerkfac.schedules.Adaptive` policy, or a dict
-            ``{'A': ..., 'G': ...}`` giving forward (A) and backward (G, and
-            BatchNorm) statistics their own interval. ``None`` (the
-            default) is ``Adaptive()``: each factor's interval starts at 1
-            and doubles at every refresh (up to 50) while the averaged
-            factor changes by less than 5 %, as it usually does with
-            ``cov_ema_decay`` 0.95 (refreshes at steps 1, 2, 4, 8, 16, 32,
-            then about every 50); on the convergence suite this stayed
-            within seed noise of refreshing every step, in less time
-            (docs/guide/tuning.md). ``1`` refreshes every step.
-        inverse_interval: Steps between recomputations of the inverses (an
-            int or a callable); an inverse is only recomputed when its
-            factors or the damping changed since.
-        inverse_delay (int): ``d > 0`` builds every inverse but a block's
-            first in the background (Ba et al. 2017 §3.1,
-            :mod:`chainerkfac.background`): an inverse refreshed from the
-            factors of step ``t`` takes effect at step ``t + d``, the steps
-            between using the one before; the numbers do not depend on the
-            timing. A block refreshes no other inverse meanwhile. ``0``
-            (the default) builds it at once.
-        acc_iters (int): ``update(lossfun, *batch)`` splits the batch into
-            this many micro-batches and accumulates gradients and statistics
-            over them, emulating a batch ``acc_iters`` times larger in the
-            memory of one.
-        weight_decay (float): L2 coefficient as in the paper's §4.2: adds
-            ``weight_decay * W`` to the gradient of every Linear and
-            Convolution2D weight before preconditioning and ``weight_decay``
-            to those layers' damping. Biases and BatchNorm are not decayed
-            (§4.2 also pulls BatchNorm weights towards a non-zero mean).
-        bn_damping_multiplier (float): BatchNorm blocks are damped with
-            ``bn_damping_multiplier * damping``.
-        nonfinite (str): On a NaN or Inf in a gradient or factor, ``'raise'``
-            a :class:`~chainerkfac.curvature.NonFiniteError` naming it, or
-            ``'skip'`` the step (reported as ``kfac/skipped_steps``); with
-            ``update(lossfun, ...)`` a skipped step (or one that raises)
-            also leaves BatchNorm's running statistics as they were.
-        max_skipped_steps (int): After this many skipped steps in a row
-            (non-finite gradients with ``nonfinite='skip'``, or overflows
-            under Chainer's dynamic loss scaling), raise a
-            :class:`~chainerkfac.curvature.NonFiniteError` naming the last
-            non-finite gradient, instead of skipping for ever.
-        precondition (bool): ``False`` turns K-FAC off entirely (no hooks, no
-            statistics): the optimizer is then exactly MomentumSGD.
-        spatial_subsample (int): Convolution A factors from every
-            ``spatial_subsample``-th output row and column only, rescaled to
-            all positions (KFC's spatial homogeneity, Grosse & Martens 2016
-            §3); 1 takes every position. 2 divides the largest statistics'
-            work by about 4.
-        batch_subsample (int): Linear and Convolution2D factors from the
-            first ``⌈n / batch_subsample⌉`` samples of each (local) batch
-            only; 1 takes every sample. ``k`` divides the statistics' work
-            by about ``k``; BatchNormalization statistics, which cost
-            little, use the whole batch.
-        conv_factors (str): The factors of layers with several positions
-            per sample (Convolution2D, Linear with ``n_batch_axes > 1``):
-            ``'expanded'`` (KFC, Grosse & Martens 2016: outer products at
-            every position) or ``'reduced'`` (Ba et al. 2017, appendix A:
-            the outer products of each sample's activations and
-            derivatives summed over positions,
-            ``A ⊗ G = |T|² E[Ā Āᵀ] ⊗ E[D̄ D̄ᵀ]``, the convention in
-            :mod:`chainerkfac.curvature.kronecker`), which costs ``T``
-            times fewer operations. ``'reduced'`` needs
-            ``spatial_subsample=1``.
-        doubly_factored_from (int or None): A Linear whose input is at
-            least this wide (known at setup) and arrives as a feature map
-            (``(n, C, H, W)``, which the link flattens) gets the
-            doubly-factored block ``Ψ ⊗ K ⊗ G`` (Ba et al. 2017 §4;
-            :class:`~chainerkfac.curvature.doubly_factored.DoublyFactoredBlock`):
-            factors of ``T x T`` (positions) and ``C x C`` (channels)
-            instead of one ``C T x C T``, its bias in a block of its own.
-            ``None``: every Linear gets ``A ⊗ G``.
-        kl_clip (float or None): The update-norm guard's bound κ (Ba et al.
-            2017 §5, :mod:`chainerkfac.update_norm`): every block's step
-            ``ρ_b F̂_b⁻¹∇_b`` is scaled by ``ν = min(1, sqrt(κ / q))``, with
-            ``q = lr² Σ_b ρ_b² ⟨F̂_b⁻¹∇_b, ∇_b⟩`` over the K-FAC blocks, so
-            that the step's approximate KL change stays bounded. Under the
-            grafted step a safety net: the default 1e-2 leaves ordinary
-            steps alone and stops those that would blow the model up; at
-            a large-batch recipe's learning rates (1-2) it sets most steps
-            (``docs/guide/tuning.md``). A
-            hyperparameter: ``ExponentialShift('kl_clip', ...)`` gives it a
-            schedule. ``None`` turns the guard off.
-        kl_clip_relative (float or None): ``c``: the bound relative to the
-            run's own steps, ``κ_t = max(κ, c · lr_t² · m_t)``, ``m_t`` the
-            smallest ``q / lr²`` of the steps so far
-            (:class:`~chainerkfac.update_norm.RelativeBound`): the guard binds
-            where ``q`` grows over ``c`` times the smallest the run has
-            had, not on the first steps of a network whose ``q`` starts
-            large and falls. ``None`` keeps the fixed bound. Measured to
-            help at learning rates up to 0.1 and to let runs at 0.8-1.6
-            fall apart (``docs/guide/tuning.md``): an option, off by
-            default.
-        kl_clip_batch (int or None): The global batch at which the bound is
-            ``kl_clip``; it grows like the batch below it and like its
-            square above it: ``κ = kl_clip · r · max(r, 1)``,
-            ``r = B / kl_clip_batch`` (``B`` the samples of the training
-            forward passes since the previous step, micro-batches and a
-            manual loop's several passes included, summed over processes).
-            ``None`` keeps ``κ = kl_clip`` at every batch.
-        divergence (str): On a divergence that stays finite (the training
-            loss over 10 times its first value;
-            :mod:`chainerkfac.divergence`), ``'warn'`` once or ``'raise'``
-            a :class:`~chainerkfac.divergence.DivergenceError`. A guard
-            that scales every update by less than 1e-3 for 100 steps while
-            the loss does not fall is a stall: a
-            :class:`~chainerkfac.divergence.StallWarning`, either way.
-        independent_processes (bool): ``True`` lets every MPI process of a
-            job train its own model with its own curvature (a
-            hyperparameter sweep, one model per rank). By default K-FAC
-            refuses to run in one of several MPI processes unless made
-            distributed by :func:`chainerkfac.create_multi_node_optimizer`
-            (:func:`~chainerkfac.optimizers.stages.refuse_under_mpi`),
-            since under ``chainermn.create_multi_node_optimizer`` the
-            replicas would drift apart without a word.
+        v <- momentum v - lr ν ρ_b F̂_b⁻¹∇_b;     w <- w + v
 
+    with ``ρ_b`` the step rule's scale of block ``b``
+    (:mod:`chainerkfac.step_rule`) and ``ν`` the update-norm guard's
+    (:mod:`chainerkfac.update_norm`).
+
+    Every option, its default, its formula and where it was measured to
+    pay is on one page, "Hyperparameters and options" (``docs/options.md``).
     A misspelt option raises ``TypeError`` naming the nearest one
     (``dampening`` → ``damping``), and the names other K-FAC libraries use
     (``learning_rate``, ``factor_decay``, ``inv_update_steps``, ...) name
@@ -234,50 +95,25 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  doubly_factored_from=None, **unknown):
         options.reject_unknown(unknown, type(self).__init__)
         super().__init__()
-        hp = self.hyperparam
-        hp.lr = lr
-        hp.momentum = momentum
-        hp.damping = damping
-        hp.cov_ema_decay = cov_ema_decay
-        hp.weight_decay = weight_decay
-        hp.bn_damping_multiplier = bn_damping_multiplier
-        hp.kl_clip = kl_clip
-        options.check_hyperparameters(hp)
-        self.inverse = options.choice(inverse, options.INVERSES, 'inverse')
-        self.bn_fisher = options.choice(bn_fisher, options.BN_FISHERS,
-                                        'bn_fisher')
-        self.nonfinite = options.choice(nonfinite, options.NONFINITE,
-                                        'nonfinite')
-        self.divergence = options.choice(divergence, options.DIVERGENCE,
-                                         'divergence')
-        self.step_rule = step_rule_module.get(step_rule)
+        options.set_hyperparameters(
+            self.hyperparam, lr=lr, momentum=momentum, damping=damping,
+            cov_ema_decay=cov_ema_decay, weight_decay=weight_decay,
+            bn_damping_multiplier=bn_damping_multiplier, kl_clip=kl_clip)
+        options.configure(
+            self, inverse=inverse, bn_fisher=bn_fisher, nonfinite=nonfinite,
+            divergence=divergence, step_rule=step_rule,
+            factor_interval=factor_interval,
+            inverse_interval=inverse_interval, inverse_delay=inverse_delay,
+            acc_iters=acc_iters, spatial_subsample=spatial_subsample,
+            batch_subsample=batch_subsample, conv_factors=conv_factors,
+            doubly_factored_from=doubly_factored_from,
+            kl_clip_batch=kl_clip_batch, kl_clip_relative=kl_clip_relative,
+            max_skipped_steps=max_skipped_steps, precondition=precondition,
+            independent_processes=independent_processes)
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
-        self.factor_interval = options.factor_intervals(
-            schedules.Adaptive() if factor_interval is None
-            else factor_interval)
-        self.inverse_interval = options.inverse_interval(inverse_interval)
-        self.inverse_delay = options.count(inverse_delay, 'inverse_delay')
-        self.acc_iters = options.positive_int(acc_iters, 'acc_iters')
-        self.spatial_subsample = options.positive_int(spatial_subsample,
-                                                      'spatial_subsample')
-        self.batch_subsample = options.positive_int(batch_subsample,
-                                                    'batch_subsample')
-        self.conv_factors = options.conv_factors(conv_factors,
-                                                 self.spatial_subsample)
-        self.doubly_factored_from = None if doubly_factored_from is None \
-            else options.positive_int(doubly_factored_from,
-                                      'doubly_factored_from')
-        self.kl_clip_batch = None if kl_clip_batch is None else \
-            options.positive_int(kl_clip_batch, 'kl_clip_batch')
-        self.kl_clip_relative = None if kl_clip_relative is None else \
-            options.real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
         self._relative_bound = update_norm.RelativeBound()
-        self.max_skipped_steps = options.positive_int(max_skipped_steps,
-                                                      'max_skipped_steps')
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
-        self.use_kfac = bool(precondition)
-        self.independent_processes = bool(independent_processes)
         #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
         #: time of its stages to, or ``None`` (no timing).
         self.stage_timer = None
@@ -332,15 +168,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if not self.use_kfac:
             self._stages.setup(self)
             return self
-        options = base.BlockOptions(
-            factor_intervals=self.factor_interval,
-            inverse_interval=self.inverse_interval,
-            inverse=self.inverse, bn_fisher=self.bn_fisher,
-            spatial_subsample=self.spatial_subsample,
-            batch_subsample=self.batch_subsample,
-            conv_factors=self.conv_factors,
-            doubly_factored_from=self.doubly_factored_from)
-        self.blocks, self._unsupported = registry.blocks_of(link, options)
+        self.blocks, self._unsupported = registry.blocks_of(
+            link, options.block_options(self))
         by_link = {block.link: block for block in self.blocks}
         # Bound methods, not closures: a set-up optimizer (and its model)
         # must pickle and deep-copy, the copy's hook reading the copy.
@@ -383,31 +212,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         """A table of which links get K-FAC and which get momentum SGD, and,
         in a distributed run, which rank owns each K-FAC link."""
         self._check_set_up()
-        covered = {id(p) for b in self.blocks for p in b.params()}
-        params = list(self.target.namedparams(include_uninit=True))
-        # A parameter added after setup has no update rule: nothing
-        # updates it, as with MomentumSGD.
-        frozen = [name for name, p in params if p.update_rule is None]
-        sgd = [name for name, p in params
-               if id(p) not in covered and p.update_rule is not None]
-        where = self._stages.placement(self.blocks)
-        rows = [(b.name, b.describe() if where is None
-                 else '{}; {}'.format(b.describe(), where[i]))
-                for i, b in enumerate(self.blocks)]
-        rows += [(name, 'momentum SGD: {}'.format(reason))
-                 for name, reason in self._unsupported]
-        width = max([len(r[0]) for r in rows] + [4])
-        lines = ['KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} blocks'
-                 .format(self.step_rule.name, self.inverse, self.bn_fisher,
-                         len(self.blocks))]
-        lines += ['  {:<{}}  {}'.format(n, width, d) for n, d in rows]
-        if sgd:
-            lines.append('  momentum SGD parameters: {}'.format(
-                ', '.join(sgd)))
-        if frozen:
-            lines.append('  not updated (added after setup; call setup '
-                         'again): {}'.format(', '.join(frozen)))
-        return '\n'.join(lines)
+        header = ('KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} '
+                  'blocks'.format(self.step_rule.name, self.inverse,
+                                  self.bn_fisher, len(self.blocks)))
+        return '\n'.join([header] + registry.coverage(
+            self.target, self.blocks, self._unsupported,
+            self._stages.placement(self.blocks)))
 
     def option_values(self):
         """``{option: text}``: every constructor option and hyperparameter
@@ -455,23 +265,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     def _step(self, lossfun, args, kwds):
         """Gradients (with ``lossfun``), the curvature and the update rule;
         returns ``(taken, mean loss or None, the guard's scale)``."""
-        mean_loss = None
-        if lossfun is not None:
-            self.target.cleargrads()
-            losses = []
-            for chunk_args, chunk_kwds in accumulation.micro_batches(
-                    args, kwds, self.acc_iters):
-                with self.timing('forward'):
-                    loss = lossfun(*chunk_args, **chunk_kwds)
-                with self.timing('backward'):
-                    loss.backward(loss_scale=self._loss_scale)
-                losses.append(loss.array)
-                del loss
-            mean_loss = float(sum(losses)) / len(losses)
-            if self.acc_iters > 1:
-                for param in self.target.params():
-                    if param.grad is not None:
-                        param.grad /= self.acc_iters
+        mean_loss = None if lossfun is None else \
+            accumulation.gradients(self, lossfun, args, kwds)
         self.reallocate_cleared_grads()
         if self._resume is not None:
             # After the forward pass: lazily initialised layers have their
@@ -507,75 +302,22 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.update_loss_scale()
         return taken, mean_loss, scale
 
-    def _fold(self, block, stats):
-        """``block.update_factors``; under ``nonfinite='skip'`` non-finite
-        statistics are dropped (and counted as a refresh, as the other
-        processes count it: they follow the owner's schedule)."""
-        try:
-            return block.update_factors(self.t, stats,
-                                        self.hyperparam.cov_ema_decay)
-        except base.NonFiniteError:
-            if self.nonfinite == 'raise':
-                raise
-            logger.warning('iteration %d: dropped non-finite statistics of '
-                           '%s', self.t, block.name)
-            for f in stats:
-                block.schedules[f].mark(self.t)
-            return {}
-
     def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
         ``stats`` is ``{block: {factor: batch mean}}``; ``samples`` the
         size of this process's batch (``None``: unknown, the guard's bound
-        is then ``kl_clip`` as given). Reports
-        ``kfac/damping``, ``kfac/step_scale`` (the geometric mean of the
-        step rule's ``ρ``), ``kfac/kl`` (the guard's ``q`` of the rule's
-        step, before the guard), ``kfac/update_scale`` (the guard's
-        ``ν``), ``kfac/factor_refreshes``
-        (factors refreshed this step), ``kfac/inverse_refreshes`` and, on
-        steps that refreshed a factor, ``kfac/change_rate`` (mean over those
-        factors). Scales every block's preconditioned gradient by ``ρ ν``.
-        Returns the guard's scale ``ν``.
+        is then ``kl_clip`` as given). Scales every block's preconditioned
+        gradient by ``ρ ν``; returns the guard's ``ν``. Reports the
+        ``kfac/`` values of the reporting guide.
         """
-        step = self.t
         hp = self.hyperparam
         rates = {}
         owned = self._stages.owned(self.blocks)
         if stats:
             with self.timing('statistics_fold'):
-                for block in owned:
-                    if block in stats:
-                        rates[block] = self._fold(block, stats[block])
-
-        # An inverse on its way since step t - d goes in place first, so that
-        # step t can start the next one.
-        ready = [block for block in owned if block.pending is not None
-                 and block.pending[0] <= step]
-        refreshed = []
-        if ready:
-            # Waits for the worker only if it is late.
-            with self.timing('inversion'):
-                refreshed = [block for block in ready
-                             if block.take_pending(step)]
-        due = [block for block in owned
-               if block.inverse_due(step, block.effective_damping(hp))]
-        if due:
-            with self.timing('inversion'):
-                # Under an inverse_delay, the inverses that replace one
-                # go to the background worker (one thread), the first
-                # ones are built now.
-                now = [block for block in due if not self.inverse_delay
-                       or block.form is None]
-                for block in [b for b in due if b not in now]:
-                    block.update_inverse(step, block.effective_damping(hp),
-                                         self.inverse_delay)
-                refreshed += [block for block, done in zip(
-                    now, cpu_parallel.map_blocks(
-                        lambda block: block.update_inverse(
-                            step, block.effective_damping(hp)),
-                        now, cpu_parallel.block_work('inverse_cost')))
-                    if done]
+                rates = refresh.fold(self, owned, stats)
+        refreshed = refresh.inverses(self, owned)
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
         # manual loop may pass without loss_scaling()); the decay term must
@@ -597,47 +339,24 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                   self.kl_clip_batch),
                 self.kl_clip_relative, kl, hp.lr)
         nu = update_norm.scale(kl, kappa)
-        for block, factor in zip(self.blocks, rho * nu):
-            if factor != 1:
-                for param in block.params():
-                    if param.grad is not None:
-                        param.grad *= float(factor)
-        measured = [r for block_rates in rates.values()
-                    for r in block_rates.values() if r is not None]
-        report = {'kfac/damping': hp.damping,
-                  'kfac/kl': kl, 'kfac/update_scale': nu,
-                  'kfac/step_scale': step_rule_module.typical(rho),
-                  'kfac/factor_refreshes': sum(map(len, rates.values())),
-                  'kfac/inverse_refreshes': len(refreshed)}
-        if measured:
-            report['kfac/change_rate'] = sum(measured) / len(measured)
-        chainer.report(report)
+        step_rule_module.rescale(self.blocks, rho * nu)
+        chainer.report(dict(refresh.report(rates, refreshed), **{
+            'kfac/damping': hp.damping, 'kfac/kl': kl,
+            'kfac/update_scale': nu,
+            'kfac/step_scale': step_rule_module.typical(rho)}))
         return nu
 
-    # -- state --------------------------------------------------------------
-
     def serialize(self, serializer):
-        """Saves or loads momentum, step counters and all K-FAC state:
-        every block's factors, inverses (one on its way under
-        ``inverse_delay`` included) and refresh schedules, the relative
-        bound's ``m_t``, the divergence monitor's first loss and counts,
-        the steps skipped in a row and a dynamic loss scale, so that a
-        resumed run takes the steps an uninterrupted one takes.
-
-        The K-FAC state starts with a header: the process's rank and the
-        number of processes, the inverse form, the BatchNorm Fisher, every
-        K-FAC layer with its factor shapes, and the layers whose curvature
-        this process holds. Loading checks it against this run and raises
-        ``ValueError`` naming what differs. Each process keeps the
-        curvature of the layers it owns: on as many processes, each loads
-        its own file; on another number, each loads the files
-        :func:`chainerkfac.snapshot_files` gives it, and the first update
-        moves every layer's curvature to its new owner
-        (:mod:`chainerkfac.optimizers.snapshot`). Loaded factors and
-        inverses must be finite. A snapshot without K-FAC state (written
-        by MomentumSGD) loads the momentum and step count; the curvature
-        then starts afresh.
-        """
+        """Saves or loads momentum, step counters and all K-FAC state, so
+        that a resumed run takes the steps an uninterrupted one takes:
+        every block's factors, inverses and schedules, after a header
+        (rank, process count, inverse form, layers and factor shapes) that
+        loading checks, naming what differs. Each process keeps the layers
+        it owns; another process count loads the files
+        :func:`chainerkfac.snapshot_files` gives it
+        (:mod:`chainerkfac.optimizers.snapshot`; what a snapshot holds:
+        the checkpointing guide). A MomentumSGD snapshot loads the momentum
+        and step count; the curvature then starts afresh."""
         if getattr(self, 'target', None) is None:
             raise RuntimeError('KFAC saved or loaded before setup(): call '
                                'optimizer.setup(model) first (setup creates '

@@ -7,6 +7,8 @@ import math
 import numbers
 
 from chainerkfac import schedules
+from chainerkfac.curvature import base
+from chainerkfac import step_rule as step_rule_module
 
 INVERSES = ('cholesky', 'eigen')
 BN_FISHERS = ('diagonal', 'full')
@@ -38,6 +40,64 @@ SYNONYMS = {
     'inv_update_freq': 'inverse_interval',
     'accumulation_steps': 'acc_iters', 'clip': 'kl_clip',
 }
+
+
+def set_hyperparameters(hp, **values):
+    """Sets and checks the hyperparameters ``values`` (``lr``,
+    ``momentum``, ...) on the ``chainer.optimizer.Hyperparameter`` ``hp``."""
+    for name, value in values.items():
+        setattr(hp, name, value)
+    check_hyperparameters(hp)
+
+
+def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
+              step_rule, factor_interval, inverse_interval, inverse_delay,
+              acc_iters, spatial_subsample, batch_subsample, conv_factors,
+              doubly_factored_from, kl_clip_batch, kl_clip_relative,
+              max_skipped_steps, precondition, independent_processes):
+    """Checks :class:`~chainerkfac.optimizers.KFAC`'s constructor options
+    and sets them, as attributes of the same names, on ``optimizer``
+    (``precondition`` as ``use_kfac``; ``factor_interval=None`` is
+    :class:`~chainerkfac.schedules.Adaptive`)."""
+    optimizer.inverse = choice(inverse, INVERSES, 'inverse')
+    optimizer.bn_fisher = choice(bn_fisher, BN_FISHERS, 'bn_fisher')
+    optimizer.nonfinite = choice(nonfinite, NONFINITE, 'nonfinite')
+    optimizer.divergence = choice(divergence, DIVERGENCE, 'divergence')
+    optimizer.step_rule = step_rule_module.get(step_rule)
+    optimizer.factor_interval = factor_intervals(
+        schedules.Adaptive() if factor_interval is None else factor_interval)
+    optimizer.inverse_interval = inverse_schedule(inverse_interval)
+    optimizer.inverse_delay = count(inverse_delay, 'inverse_delay')
+    optimizer.acc_iters = positive_int(acc_iters, 'acc_iters')
+    optimizer.spatial_subsample = positive_int(spatial_subsample,
+                                               'spatial_subsample')
+    optimizer.batch_subsample = positive_int(batch_subsample,
+                                             'batch_subsample')
+    optimizer.conv_factors = conv_factor_form(conv_factors,
+                                              optimizer.spatial_subsample)
+    optimizer.doubly_factored_from = None if doubly_factored_from is None \
+        else positive_int(doubly_factored_from, 'doubly_factored_from')
+    optimizer.kl_clip_batch = None if kl_clip_batch is None else \
+        positive_int(kl_clip_batch, 'kl_clip_batch')
+    optimizer.kl_clip_relative = None if kl_clip_relative is None else \
+        real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
+    optimizer.max_skipped_steps = positive_int(max_skipped_steps,
+                                               'max_skipped_steps')
+    optimizer.use_kfac = bool(precondition)
+    optimizer.independent_processes = bool(independent_processes)
+
+
+def block_options(optimizer):
+    """The :class:`~chainerkfac.curvature.base.BlockOptions` every Fisher
+    block of ``optimizer`` is built with."""
+    return base.BlockOptions(
+        factor_intervals=optimizer.factor_interval,
+        inverse_interval=optimizer.inverse_interval,
+        inverse=optimizer.inverse, bn_fisher=optimizer.bn_fisher,
+        spatial_subsample=optimizer.spatial_subsample,
+        batch_subsample=optimizer.batch_subsample,
+        conv_factors=optimizer.conv_factors,
+        doubly_factored_from=optimizer.doubly_factored_from)
 
 
 def reject_unknown(unknown, signature_of):
@@ -86,7 +146,7 @@ def choice(value, choices, what):
     return value
 
 
-def conv_factors(value, spatial_subsample):
+def conv_factor_form(value, spatial_subsample):
     """The ``conv_factors`` option; ``'reduced'`` sums every position, so
     it refuses a ``spatial_subsample`` that would leave some out."""
     value = choice(value, CONV_FACTORS, 'conv_factors')
@@ -137,7 +197,7 @@ def factor_intervals(value):
     return {'A': interval, 'G': interval}
 
 
-def inverse_interval(value):
+def inverse_schedule(value):
     """The ``inverse_interval`` option, which cannot be adaptive."""
     interval = schedules.check_interval(value, 'inverse_interval')
     if isinstance(interval, schedules.Adaptive):

@@ -1,0 +1,106 @@
+"""What a Fisher block saves and loads: its factors, refresh schedules and
+inverse form (the one built in the background too), each array with an
+entry saying whether it is stored, loaded arrays checked to be finite and
+sent to the block's device.
+"""
+import numpy
+from chainer import backend
+from chainer import serializer as serializer_module
+
+from chainerkfac import background
+from chainerkfac.curvature import families
+
+
+class SnapshotState:
+    """The serialization of :class:`~chainerkfac.curvature.base.
+    FisherBlock` (a mixin: it reads the block's ``factors``, ``factor``,
+    ``schedules``, ``inverse_schedule``, ``form``, ``pending``,
+    ``family``, ``name`` and ``params()``)."""
+
+    def in_snapshot(self, deserializer):
+        """Whether ``deserializer`` (this block's part of a snapshot) holds
+        the block's state at all."""
+        try:
+            deserializer(_present_key(self.factors[0]), 0)
+        except KeyError:
+            return False
+        return True
+
+    def _serialize_array(self, serializer, key, value):
+        present = int(serializer(_present_key(key), int(value is not None)))
+        if not present:
+            return None
+        if isinstance(serializer, serializer_module.Deserializer):
+            loaded = numpy.asarray(serializer(key, None))
+            if not numpy.isfinite(loaded).all():
+                raise ValueError('snapshot holds a non-finite {} of K-FAC '
+                                 'layer {}'.format(key, self.name))
+            device = backend.get_device_from_array(self.params()[0].array)
+            return device.send(loaded)
+        serializer(key, value)
+        return value
+
+    def serialize_schedules(self, serializer):
+        """Saves or loads the factors' refresh schedules alone: what every
+        process of a distributed run keeps of every block (it follows the
+        owner's refreshes), the factors and inverse aside."""
+        for f in self.factors:
+            self.schedules[f].serialize(serializer['schedule_' + f])
+
+    def serialize(self, serializer):
+        """Saves or loads the factors, inverses and refresh state."""
+        for f in self.factors:
+            self.factor[f] = self._serialize_array(
+                serializer, f, self.factor[f])
+        self.serialize_schedules(serializer)
+        self.inverse_schedule.serialize(serializer['schedule_inverse'])
+        self._factors_changed = bool(
+            serializer('factors_changed', self._factors_changed))
+        self.form = self._serialize_form(serializer, 'inverse_', self.form)
+        self._serialize_pending(serializer)
+
+    def _serialize_form(self, serializer, prefix, form):
+        """Saves ``form`` under keys starting with ``prefix`` (its arrays
+        and damping), or returns the form loaded from them."""
+        arrays = {} if form is None else form.arrays
+        loaded = {}
+        for key in families.snapshot_keys(self.family.kinds):
+            value = self._serialize_array(serializer, prefix + key,
+                                          arrays.get(key))
+            if value is not None:
+                loaded[key] = value
+        # The current form's damping keeps the key snapshots always had.
+        damping_key = 'damping_used' if prefix == 'inverse_' \
+            else prefix + 'damping'
+        used = serializer(damping_key, -1.0 if form is None
+                          else form.damping)
+        if not isinstance(serializer, serializer_module.Deserializer):
+            return form
+        return families.restore(self.family.kinds, loaded,
+                                None if float(used) < 0 else float(used))
+
+    def _serialize_pending(self, serializer):
+        """The inverse built in the background and the step it takes
+        effect at: a snapshot waits for it and keeps it, so that the
+        resumed run puts it in place at the same step."""
+        loading = isinstance(serializer, serializer_module.Deserializer)
+        if not loading and self.pending is not None:
+            self.pending = self.pending[0], background.result(self.pending[1])
+        try:
+            at = int(serializer('pending_step', -1 if self.pending is None
+                                else self.pending[0]))
+        except KeyError:
+            # Written before inverses could be built in the background.
+            at = -1
+        if loading and at < 0:
+            self.pending = None
+            return
+        form = self._serialize_form(
+            serializer, 'pending_', self.pending and self.pending[1])
+        if loading:
+            self.pending = at, form
+
+
+def _present_key(key):
+    """The entry that says whether array ``key`` of a block is stored."""
+    return key + '@present'
