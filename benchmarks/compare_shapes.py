@@ -49,16 +49,18 @@ After the grid, K-FAC's best base learning rate at each batch also runs
 with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
 
-Each run is kept in ``results/compare_shapes.json`` as soon as it ends; a
-run already there is not repeated, so the grid can be grown over several
-invocations. ``--report`` (also at the end of every invocation) prints and
-stores, per batch: MomentumSGD's best final validation accuracy (best base
-learning rate, mean over seeds) and the target it sets (that minus 0.5
-point); for each optimizer at its best learning rate, the median epochs and
-training seconds to the target, its final accuracy and validation loss. The
-curves go to ``results/compare_shapes.png`` (validation loss and
-accuracy against epochs and against seconds; ``run_all.py --docs-only``
-copies it into the docs).
+Each run is kept in ``results/compare_shapes.json`` as soon as it ends, in
+its variant ``--name`` (the default one without it; ``--out FILE``: in a
+file of its own instead); a run already there is not repeated, so the grid
+can be grown over several invocations. ``--report`` (also at the end of
+every invocation) prints and stores, per batch: MomentumSGD's best final
+validation accuracy (best base learning rate, mean over seeds) and the
+target it sets (that minus 0.5 point); for each optimizer at its best
+learning rate, the median epochs and training seconds to the target, its
+final accuracy and validation loss. The curves go to
+``results/compare_shapes[_<name>].png`` (validation loss and accuracy
+against epochs and against seconds; ``run_all.py --docs-only`` copies the
+default's into the docs).
 """
 import argparse
 import functools
@@ -80,7 +82,6 @@ import harness
 import models
 import shapes
 
-OUT = 'compare_shapes.json'
 WEIGHT_DECAY = 5e-4
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
@@ -459,7 +460,7 @@ def plot(best, path):
     plt.close(fig)
 
 
-def write(runs, environment, out=OUT):
+def write(runs, environment, name=harness.DEFAULT, out=None):
     summary, best = summarise(runs)
     text = report(summary)
     payload = {'script': 'compare_shapes', 'environment': environment,
@@ -476,12 +477,14 @@ def write(runs, environment, out=OUT):
                'summary': {str(b): v for b, v in summary.items()},
                'table': text, 'runs': runs}
     if best:
-        # compare_shapes.json -> compare_shapes.png beside it
-        # (benchmarks/run_all.py copies it into the docs).
-        stem = os.path.splitext(os.path.basename(out))[0]
-        payload['plot'] = stem + '.png'
-        plot(best, os.path.join(harness.results_dir(), payload['plot']))
-    return harness.write_json(out, payload), text
+        # compare_shapes[_NAME].png in results/ (benchmarks/run_all.py
+        # copies the default's into the docs), or beside --out's file.
+        png = os.path.splitext(os.path.abspath(out))[0] + '.png' if out \
+            else os.path.join(harness.results_dir(),
+                              harness.stem('compare_shapes', name) + '.png')
+        payload['plot'] = os.path.basename(png)
+        plot(best, png)
+    return harness.write_variant('compare_shapes', name, payload, out), text
 
 
 def main(argv=None):
@@ -526,15 +529,18 @@ def main(argv=None):
                         'learning rate, no guard; kfac_quadratic_model_floor:'
                         ' its damping 1e-3 or more)')
     parser.add_argument('--jobs', type=int, default=1)
-    parser.add_argument('--out', default=OUT)
+    harness.add_name_option(parser, 'compare_shapes')
+    parser.add_argument('--out', default=None,
+                        help='keep the runs in this file instead (a path)')
     parser.add_argument('--report', action='store_true',
                         help='only summarise the stored runs')
     args = parser.parse_args(argv)
-    previous = harness.read_json(args.out) or {}
+    previous = harness.read_variant('compare_shapes', args.name,
+                                    args.out) or {}
     runs = previous.get('runs', [])
     environment = harness.environment()
     if args.report:
-        print(write(runs, environment, args.out)[1])
+        print(write(runs, environment, args.name, args.out)[1])
         return
     done = {_key(r) for r in runs}
     batches = [int(b) for b in args.batches.split(',')]
@@ -595,7 +601,7 @@ def main(argv=None):
                 + 'final accuracy {:.3f}, loss {:.3f}, {:.0f} s'.format(
                     last['val_accuracy'], last['val_loss'], last['seconds']),
                 flush=True)
-            path, text = write(runs, environment, args.out)
+            path, text = write(runs, environment, args.name, args.out)
     print(text)
     print('written', path)
 

@@ -17,7 +17,8 @@ non-finite value, or a final training loss above the first).
 
 The goals (issue #23): no K-FAC divergence; K-FAC's final accuracy at
 least MomentumSGD's - 1 point at every lr; its best over lrs at least
-MomentumSGD's best. Writes ``results/convergence_suite[_NAME].json``.
+MomentumSGD's best. Writes ``results/convergence_suite.json``, as its
+variant ``--name`` (the default one without it).
 """
 import argparse
 import json
@@ -270,8 +271,7 @@ def main():
                         help='several K-FAC variants side by side, as JSON '
                         '{name: options}: the cells name them (replaces '
                         '--kfac)')
-    parser.add_argument('--name', default='',
-                        help='suffix of the JSON file for a variant')
+    harness.add_name_option(parser, 'convergence_suite')
     parser.add_argument('--models', default=','.join(MODELS))
     parser.add_argument('--lrs', default='0.01,0.03,0.1,0.3,1.0')
     parser.add_argument('--seeds', type=int, default=2)
@@ -328,9 +328,8 @@ def main():
                'iterations': args.iterations,
                'batchsize': args.batchsize, 'seeds': args.seeds,
                'environment': harness.environment(), 'cells': cells}
-    name = 'convergence_suite{}.json'.format(
-        '_' + args.name if args.name else '')
-    print('wrote', harness.write_json(name, payload))
+    print('wrote', harness.write_variant('convergence_suite', args.name,
+                                         payload))
 
 
 if __name__ == '__main__':

@@ -5,8 +5,8 @@
 
 ``--inversions`` also times the damped inverse of one random float32 factor
 of every size the model has (``linalg.damped_inverse``, best of 3) and
-writes ``results/inversions.json``: what the small factors cost together is
-what batching their inversions could save at most.
+writes them to ``results/flops.json``: what the small factors cost
+together is what batching their inversions could save at most.
 
 Shapes come from one forward pass at batch 1 with a link hook; counts are
 per step at ``--batch``:
@@ -171,8 +171,7 @@ def main():
     parser.add_argument('--model', default='resnet50')
     parser.add_argument('--batch', type=int, default=32)
     parser.add_argument('--inversions', action='store_true',
-                        help='also time the inverses (results/'
-                        'inversions.json)')
+                        help='also time the inverses (results/flops.json)')
     args = parser.parse_args()
     m = flop_model(args.model, args.batch)
     print('{} batch {}: forward+backward {:.0f} GFLOP'.format(
@@ -185,7 +184,7 @@ def main():
               '{}'.format(inv['factors'], harness.fmt_s(inv['total_seconds']),
                           inv['small_factors'], SMALL,
                           harness.fmt_s(inv['small_seconds'])))
-        print('written', harness.write_json('inversions.json', inv))
+        print('written', harness.write_json('flops.json', inv))
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy
@@ -263,9 +264,21 @@ def results_dir():
 
 
 def write_json(name, payload):
+    """Writes ``payload`` as ``name`` under ``results/`` (or at ``name``,
+    an absolute path), whole or not at all: into a temporary file, then
+    renamed over the old one."""
     path = os.path.join(results_dir(), name)
-    with open(path, 'w') as f:
-        json.dump(payload, f, indent=1, sort_keys=False, default=_default)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.',
+                               suffix='.json')
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, 'w') as f:
+            json.dump(payload, f, indent=1, sort_keys=False,
+                      default=_default)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return path
 
 
@@ -276,6 +289,69 @@ def read_json(name):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# -- variants -----------------------------------------------------------------
+#
+# A script whose runs differ by their options keeps them all in one file,
+# ``results/<script>.json``: ``{"script": ..., "variants": {name: payload}}``,
+# the payload being what one run of the script writes. A script's
+# ``--name NAME`` picks the variant a run writes (``default`` without it);
+# its figures' files are ``<script>.png`` or ``<script>_<NAME>...png``.
+
+#: The variant a script writes without ``--name``.
+DEFAULT = 'default'
+
+
+def stem(script, name=DEFAULT):
+    """``script``, or ``script_name`` for a variant other than the
+    default: the start of its figures' file names."""
+    return script if name == DEFAULT else '{}_{}'.format(script, name)
+
+
+def add_name_option(parser, script):
+    """``--name NAME`` on an argparse ``parser``: the variant a run of
+    ``script`` writes."""
+    parser.add_argument('--name', default=DEFAULT,
+                        help='the variant of results/{}.json to write '
+                        '(default: {})'.format(script, DEFAULT))
+
+
+def read_variants(script):
+    """``{name: payload}`` of every variant in ``results/<script>.json``,
+    the default first ({} when the file is not there)."""
+    return (read_json(script + '.json') or {}).get('variants', {})
+
+
+def read_variant(script, name=DEFAULT, out=None):
+    """The payload of variant ``name`` of ``script``, or None; with
+    ``out`` (a path), the payload alone in that file instead."""
+    if out:
+        return read_json(os.path.abspath(out))
+    return read_variants(script).get(name)
+
+
+def write_variant(script, name, payload, out=None):
+    """Stores ``payload`` as variant ``name`` of ``results/<script>.json``,
+    keeping the other variants, and returns the file's path; with ``out``
+    (a path: a run kept outside ``results/``), writes the payload alone
+    there instead. Runs of one script writing at the same time wait for
+    each other (a lock on ``results/``), so neither loses the other's
+    variant."""
+    if out:
+        return write_json(os.path.abspath(out), payload)
+    import fcntl
+    lock = os.open(results_dir(), os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        variants = read_variants(script)
+        variants[name] = payload
+        return write_json(script + '.json', {
+            'script': script,
+            'variants': {n: variants[n] for n in sorted(
+                variants, key=lambda n: (n != DEFAULT, n))}})
+    finally:
+        os.close(lock)
 
 
 def _default(obj):

@@ -7,7 +7,8 @@ Issue #23 asks for Levenberg-Marquardt damping adaptation (Martens & Grosse
 This measures it first, from outside the library, on the suite of
 ``convergence_suite.py`` (digits, batch 64, 200 iterations, four models,
 lr 0.01 / 0.03 / 0.1, momentum 0.9, factors every step; same seeds, so the
-rows compare with ``results/convergence_suite_every_step.json``).
+rows compare with the variant ``every_step`` of
+``results/convergence_suite.json``).
 
 Every ``interval`` steps the damping ε follows the reduction ratio of the
 step ``δ`` just taken, on the same batch::

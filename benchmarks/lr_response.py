@@ -9,8 +9,8 @@ weights on the same batches three times: at lr 0.1, at lr 0.01, and at lr
 the mean update norm ``‖w_t − w_{t−1}‖`` at 0.1 over that at 0.01, and the
 mean of the last 10 updates of the decayed run over those of the run at
 0.1 (MomentumSGD: about 10 and well below 1). The goal (issue #33): K-FAC's
-ratios within 1.5x of MomentumSGD's. Writes ``results/lr_response.json``
-(or ``--out``).
+ratios within 1.5x of MomentumSGD's. Writes ``results/lr_response.json``,
+as its variant ``--name`` (the default one without it).
 """
 import argparse
 import json
@@ -61,7 +61,7 @@ def main():
         convergence_suite.MODELS))
     parser.add_argument('--steps', type=int, default=40)
     parser.add_argument('--seeds', type=int, default=3)
-    parser.add_argument('--out', default='lr_response.json')
+    harness.add_name_option(parser, 'lr_response')
     parser.add_argument('--variants', default=None,
                         help='K-FAC variants as JSON {name: options} '
                         'instead of the default and the natural step')
@@ -110,7 +110,7 @@ def main():
         'norm decayed / constant (last 10)', 'lr ratio vs SGD',
         'decay ratio vs SGD', 'within 1.5x'])
     print(text)
-    print('wrote', harness.write_json(args.out, {
+    print('wrote', harness.write_variant('lr_response', args.name, {
         'steps': steps, 'seeds': args.seeds, 'batchsize': 64,
         'environment': harness.environment(), 'cells': cells,
         'table': text}))

@@ -61,7 +61,7 @@ def targets(runs):
     sgd = [r for r in runs if r['optimizer'] == 'sgd']
     found = {'these runs': float(numpy.mean(
         [r['curve'][-1]['val_accuracy'] for r in sgd]) - 0.005)}
-    shapes_summary = (harness.read_json(compare_shapes.OUT) or {}).get(
+    shapes_summary = (harness.read_variant('compare_shapes') or {}).get(
         'summary', {}).get(str(runs[0]['batch']))
     if shapes_summary:
         found['compare_shapes'] = shapes_summary['target']

@@ -5,10 +5,14 @@
     PYTHONPATH=. .venv/bin/python benchmarks/run_all.py --docs-only
 
 Runs ``step_time``, ``time_to_accuracy``, ``distributed`` and ``peer`` one
-after another (each writes its JSON under ``benchmarks/results/``), then
-rewrites ``docs/benchmarks.md`` from those JSON files: the tables, the plots
-(copied to ``docs/benchmarks_figures/``), the exact commands and the flop
-model. ``--skip NAME,...`` keeps a script's previous JSON.
+after another (each writes its JSON under ``benchmarks/results/``: the
+first two their default variant), then rewrites ``docs/benchmarks.md``
+from those JSON files and the other variants of ``step_time.json`` and
+``time_to_accuracy.json``: the tables, the plots (copied to
+``docs/benchmarks_figures/``, which keeps no other), the exact commands and
+the flop model; then appends ``benchmarks/tuning_measurements.md``
+(measurements run by hand, written with links relative to ``docs/``).
+``--skip NAME,...`` keeps a script's previous JSON.
 """
 import argparse
 import os
@@ -56,7 +60,16 @@ def command_of(name, payload):
 
 
 def load(name):
+    """The JSON of script ``name`` (one run, no variants)."""
     return harness.read_json(name + '.json')
+
+
+def other_variants(script):
+    """``{name: payload}`` of ``script``'s variants but the default, by
+    name."""
+    variants = harness.read_variants(script)
+    return {name: variants[name] for name in sorted(variants)
+            if name != harness.DEFAULT}
 
 
 # -- figures ------------------------------------------------------------------
@@ -222,7 +235,7 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
         for name in sorted(o for b, o in best if b == large and o in names):
             label = '{} batch {}: {} iterations to {:.0%}{}'.format(
                 task, large, name, entry['target'],
-                '' if source is None else ' ({}.json)'.format(source))
+                '' if source is None else ' (variant {})'.format(source))
             r = time_to_accuracy.ratios(best, large, name)
             into = rows if name in ('kfac', 'kfac_adaptive') else levers
             if r is None:
@@ -264,28 +277,22 @@ def _targets_section(step_runs, peer, dist, tta, shapes):
 
 
 def _tta_entries(tta):
-    """``(task, entry, K-FAC variants, source)`` of
-    ``time_to_accuracy.json`` (source ``None``) and, for variants it lacks,
-    of the other ``time_to_accuracy_*.json`` runs (source their name)."""
+    """``(task, entry, K-FAC optimizers, source)`` of the default variant of
+    ``time_to_accuracy.json`` (source ``None``) and, for the optimizers it
+    lacks, of its other variants (source their name)."""
     if not tta:
         return []
     import time_to_accuracy
     entries = [(task, entry, set(time_to_accuracy.OPTIMIZERS) - {'sgd'},
                 None) for task, entry in tta['tasks'].items()]
-    for name in _extra_tta():
-        for task, entry in load(name)['tasks'].items():
+    for name, run in other_variants('time_to_accuracy').items():
+        for task, entry in run['tasks'].items():
             main = tta['tasks'].get(task)
             known = {o for _, o in time_to_accuracy.best_of(main)[1]} \
                 if main else set()
             entries.append((task, entry, set(time_to_accuracy.OPTIMIZERS)
                             - known - {'sgd'}, name))
     return entries
-
-
-def _extra_tta():
-    """Names of the ``time_to_accuracy_*.json`` results."""
-    return sorted(f[:-5] for f in os.listdir(harness.results_dir())
-                  if f.startswith('time_to_accuracy_') and f.endswith('.json'))
 
 
 def _stale_spread(step_runs, model):
@@ -459,7 +466,7 @@ def _flop_section(step_runs):
               'convolutions on 14x14 inputs and larger come from shifted '
               'products (`convolution_2d.shifted_gram`), which the row "as '
               'computed" counts.', '']
-    inv = load('inversions')
+    inv = load('flops')
     if inv:
         lines += ['Batching small inversions (a lever the issue lists): of '
                   'the {} Kronecker factors of {}, the {} of dimension {} or '
@@ -513,9 +520,9 @@ _LEGACY_STAGES = {'stats_forward': 'statistics_forward',
 
 
 def write_doc(full):
-    step = load('step_time')
-    tta = load('time_to_accuracy')
-    shapes = load('compare_shapes')
+    step = harness.read_variant('step_time')
+    tta = harness.read_variant('time_to_accuracy')
+    shapes = harness.read_variant('compare_shapes')
     dist = load('distributed')
     peer = load('peer')
     os.makedirs(FIGURES, exist_ok=True)
@@ -543,9 +550,8 @@ def write_doc(full):
         'treat differences under about 20% as noise.',
         '',
     ]
-    extra = sorted(f[:-5] for f in os.listdir(harness.results_dir())
-                   if f.startswith('step_time_') and f.endswith('.json'))
-    step_runs = [run for run in [step] + [load(n) for n in extra] if run]
+    extra = other_variants('step_time')
+    step_runs = [run for run in [step] + list(extra.values()) if run]
     lines += ['## Targets', '',
               'Each row reads the JSON of the section that measured it '
               '(step-time ratios are amortised over the schedule, see '
@@ -621,11 +627,11 @@ def write_doc(full):
         import step_time
         lines += ['## Further step-time runs', '',
                   'The latest run of each other `step_time.py` command, '
-                  'kept in `benchmarks/results/step_time_*.json` (not '
+                  'kept as the other variants of '
+                  '`benchmarks/results/step_time.json`, by name (not '
                   'regenerated by `run_all.py`; git keeps the earlier '
                   'ones).', '']
-        for name in extra:
-            run = load(name)
+        for name, run in extra.items():
             lines += ['### `{}`'.format(name), '',
                       'Command: `{}`'.format(command_of('step_time', run)),
                       '',
@@ -674,15 +680,15 @@ def write_doc(full):
                   'grid; wall-clock counts training steps only.', '']
         for task, entry in tta['tasks'].items():
             lines += _tta_task(task, entry)
-        extra_tta = _extra_tta()
+        extra_tta = other_variants('time_to_accuracy')
         if extra_tta:
             lines += ['### Other runs', '',
                       'Runs of `time_to_accuracy.py` other than the one '
-                      'above, kept in '
-                      '`benchmarks/results/time_to_accuracy_*.json` (not '
-                      'regenerated by `run_all.py`).', '']
-        for name in extra_tta:
-            for task, entry in load(name)['tasks'].items():
+                      'above, kept as the other variants of '
+                      '`benchmarks/results/time_to_accuracy.json`, by name '
+                      '(not regenerated by `run_all.py`).', '']
+        for name, run in extra_tta.items():
+            for task, entry in run['tasks'].items():
                 lines += ['#### `{}`: {}'.format(name, task), '']
                 lines += _tta_task(task, entry)
     lines += _shapes_section(shapes)
@@ -700,8 +706,16 @@ def write_doc(full):
                   'per-rank split, not the wall time.'.format(
                       dist['model'], dist['interval']), '']
         lines += [t for t in dist['tables'] for t in (t, '')]
+    # Measurements run by hand, which the tuning guide links to.
+    with open(os.path.join(HERE, 'tuning_measurements.md')) as f:
+        lines += [f.read()]
+    text = '\n'.join(lines).rstrip() + '\n'
     with open(DOC, 'w') as f:
-        f.write('\n'.join(lines).rstrip() + '\n')
+        f.write(text)
+    # The folder holds the figures of this document only.
+    for name in os.listdir(FIGURES):
+        if 'benchmarks_figures/' + name not in text:
+            os.remove(os.path.join(FIGURES, name))
     print('written', DOC)
 
 

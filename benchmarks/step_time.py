@@ -33,7 +33,8 @@ explicit inverses that long intervals use: on ResNet-50 at 224x224 about
 
 Stage times come from the library's timing hook (``optimizer.stage_timer``,
 :mod:`chainerkfac.timing`). Results go to
-``benchmarks/results/step_time.json`` (or ``--out``).
+``benchmarks/results/step_time.json``, as its variant ``--name`` (the
+default one without it; ``--out FILE``: to a file of their own instead).
 """
 import argparse
 import copy
@@ -476,7 +477,10 @@ def main(argv=None):
                         help='on a GPU, wait for its work at every stage '
                         'boundary: a true per-stage breakdown, but the '
                         'lost overlap of kernel launches inflates totals')
-    parser.add_argument('--out', default='step_time.json')
+    harness.add_name_option(parser, 'step_time')
+    parser.add_argument('--out', default=None,
+                        help='write the results alone to this file instead '
+                        '(runs kept elsewhere, e.g. by gpu/check.sh)')
     args = parser.parse_args(argv)
     device = chainer.get_device(args.device)
     device.use()
@@ -512,7 +516,8 @@ def main(argv=None):
         texts.append(text)
         payload['models'][model_name] = {'info': info, 'results': results,
                                          'table': text}
-        path = harness.write_json(args.out, payload)
+        path = harness.write_variant('step_time', args.name, payload,
+                                     args.out)
     print('\nwritten', path)
     return payload
 

@@ -21,7 +21,10 @@ and a large batch. A run stops at the target or at the iteration cap. For
 each (task, batch, optimizer) the learning rate with the lowest median
 iterations-to-target over the seeds is reported (a run that misses the
 target counts as infinitely slow), with its median wall-clock (training time
-only: evaluation excluded). Plots: ``benchmarks/results/tta_<task>.png``.
+only: evaluation excluded). Results go to
+``benchmarks/results/time_to_accuracy.json``, as its variant ``--name``
+(the default one without it), the plots to
+``benchmarks/results/time_to_accuracy[_<name>]_<task>.png``.
 """
 import argparse
 import os
@@ -373,7 +376,7 @@ def main(argv=None):
     parser.add_argument('--lrs-kfac', default=None,
                         help='K-FAC\'s learning rates (as many as '
                         '--lrs-sgd) instead of the task\'s grid')
-    parser.add_argument('--out', default='time_to_accuracy.json')
+    harness.add_name_option(parser, 'time_to_accuracy')
     args = parser.parse_args(argv)
     harness.limit_threads(args.threads)
     intervals = tuple(int(v) for v in args.kfac_intervals.split(','))
@@ -387,10 +390,10 @@ def main(argv=None):
     task_names = args.tasks.split(',')
     environment = harness.environment()
     payload = {'script': 'time_to_accuracy', 'tasks': {}}
-    # A run of some tasks keeps the others' results from the same file;
+    # A run of some tasks keeps the others' results of the same variant;
     # every task records the command and machine state that produced it.
-    previous = harness.read_json(args.out)
-    if previous and previous.get('script') == 'time_to_accuracy':
+    previous = harness.read_variant('time_to_accuracy', args.name)
+    if previous:
         payload['tasks'] = {name: entry for name, entry
                             in previous['tasks'].items()
                             if name not in task_names}
@@ -454,12 +457,12 @@ def main(argv=None):
         text = report(task_name, task['target'], task['batches'],
                       optimizers, best)
         print(text, flush=True)
-        # tta_TASK.png for the default --out, tta_SUFFIX_TASK.png for
-        # time_to_accuracy_SUFFIX.json: no run overwrites another's plot.
-        stem = os.path.splitext(os.path.basename(args.out))[0]
-        png = os.path.join(harness.results_dir(), '{}_{}.png'.format(
-            stem.replace('time_to_accuracy', 'tta', 1), task_name))
-        plot(task_name, runs, best, task['target'], png)
+        # time_to_accuracy[_NAME]_TASK.png: no variant overwrites
+        # another's plot.
+        png = '{}_{}.png'.format(harness.stem('time_to_accuracy', args.name),
+                                 task_name)
+        plot(task_name, runs, best, task['target'],
+             os.path.join(harness.results_dir(), png))
         payload['tasks'][task_name] = {
             'argv': sys.argv[1:], 'environment': environment,
             'kfac_intervals': intervals, 'target': task['target'],
@@ -471,10 +474,11 @@ def main(argv=None):
                      for (b, o, lr), rs in runs.items()],
             'best': [dict(batch=b, optimizer=o, **v)
                      for (b, o), v in best.items()],
-            'table': text, 'plot': os.path.relpath(png, harness.results_dir())}
+            'table': text, 'plot': png}
         payload['tasks'] = {name: payload['tasks'][name] for name in TASKS
                             if name in payload['tasks']}
-        path = harness.write_json(args.out, payload)
+        path = harness.write_variant('time_to_accuracy', args.name,
+                                     payload)
     print('written', path)
     return payload
 
