@@ -23,7 +23,11 @@ the grafted step, whose length follows the learning rate as MomentumSGD's
 does, the safety bound at its default or ``--graft-kl-clips``, adaptive
 intervals) at the base learning rates given, typically MomentumSGD's
 grid; the report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
-best base learning rate. ``--graft-relative LRS`` adds the same with the
+best base learning rate, and ``kfac_at_sgd_lr``, the best of K-FAC's
+natural-step grid (below) at that learning rate: the step
+``KFAC(lr, momentum, step_rule='natural', factor_interval=1,
+kl_clip_follows_lr=True)`` takes, whose bound follows the schedule's square
+as the grid's does. ``--graft-relative LRS`` adds the same with the
 guard's bound relative to the run's own steps (``kfac_graft_rel10``:
 ``kl_clip_relative=10``); ``--graft-decay LRS`` the same with the bound
 falling with the square of the schedule's factor after the warm-up
@@ -127,8 +131,10 @@ SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of the natural
 #: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
-#: the one-line swap at MomentumSGD's best learning rate.
-ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
+#: the one-line swap at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
+#: the natural step's grid there.
+ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
+        'kfac',
         'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
         'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
                                          'kfac_graft_decay',
@@ -136,7 +142,8 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac',
                                          'kfac_quadratic_model_floor')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
-COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'tab:red',
+COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
+                          'tab:red',
                           'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
                           'tab:orange', 'tab:green', 'tab:purple', 'gold',
                           'magenta', 'darkred', 'salmon')))
@@ -332,6 +339,14 @@ def summarise(runs):
                        _setting(group[0]), group,
                        numpy.mean([g['curve'][-1]['val_accuracy']
                                    for g in group]))
+        for (b, name, setting), group in groups.items():
+            # The natural step's grid at MomentumSGD's learning rate (its
+            # bound scheduled: kl_clip_follows_lr=True).
+            if sgd and b == batch and name == 'kfac' and \
+                    setting[0] == sgd['setting'][0]:
+                _keep_best(best, (batch, 'kfac_at_sgd_lr'), setting, group,
+                           numpy.mean([g['curve'][-1]['val_accuracy']
+                                       for g in group]))
     summary = {}
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
@@ -343,8 +358,8 @@ def summarise(runs):
             if b != batch:
                 continue
             reached = [_to_target(r, target) for r in entry['runs']]
-            kind = {'kfac_default': 'kfac', 'kfac_graft_at_sgd_lr':
-                    'kfac_graft'}.get(name, name)
+            kind = {'kfac_default': 'kfac', 'kfac_at_sgd_lr': 'kfac',
+                    'kfac_graft_at_sgd_lr': 'kfac_graft'}.get(name, name)
             rows[name] = {
                 'setting': _setting_text(entry['setting']),
                 'seeds': entry['seeds'],
@@ -356,7 +371,9 @@ def summarise(runs):
                              name != 'kfac_default'
                              or st[1] == NATURAL_KL_CLIP) and (
                              name != 'kfac_graft_at_sgd_lr'
-                             or st == entry['setting'])},
+                             or st == entry['setting']) and (
+                             name != 'kfac_at_sgd_lr'
+                             or st[0] == entry['setting'][0])},
                 'final_accuracy': entry['final_accuracy'],
                 'final_val_loss': entry['final_val_loss'],
                 # Misses count as their whole run: when half the seeds or

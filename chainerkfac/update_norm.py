@@ -97,6 +97,19 @@ def bound(kl_clip, batch, reference):
     return kl_clip * ratio * max(ratio, 1.0)
 
 
+def follow(kl_clip, lr, reference_lr):
+    """``kl_clip · (η_t / η_0)²``, the bound following the learning rate
+    ``η_t = lr`` from ``η_0 = reference_lr`` (the ``kl_clip_follows_lr``
+    option: the learning rate the optimizer was built with); ``kl_clip``
+    itself when ``reference_lr`` is ``None``. Where the guard binds, the
+    step is then ``(η_t / η_0) sqrt(κ / Σρ²⟨V, g⟩) ρV``: a step of a fixed
+    KL change, which the schedule scales as it scales SGD's step (the
+    guard's ``q`` grows with ``η²``)."""
+    if kl_clip is None or reference_lr is None:
+        return kl_clip
+    return kl_clip * (lr / reference_lr) ** 2
+
+
 def scale(q, bound):
     """``ν = min(1, sqrt(κ / q))``; 1 when the guard is off (``bound`` is
     ``None``) or ``q`` is not positive."""

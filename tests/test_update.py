@@ -707,3 +707,30 @@ def test_forward_pass_never_backpropagated_is_named(caplog):
     assert 'K-FAC layer l1: {} sample(s) of training forward passes since ' \
         'the last step were never backpropagated'.format(len(x)) \
         in caplog.text, caplog.text
+
+
+def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
+    # kl_clip_follows_lr=True: at lr η_t the bound is kl_clip (η_t / η_0)²,
+    # η_0 the lr the optimizer was built with; the guard binds here, so the
+    # step equals that of a fixed bound of kl_clip / 4 at lr η_0 / 2.
+    def step(lr, kl_clip, follows, lr_then):
+        numpy.random.seed(0)
+        model = place(MLP())
+        opt = chainerkfac.optimizers.KFAC(
+            lr=lr, momentum=0.0, step_rule='natural', kl_clip=kl_clip,
+            kl_clip_follows_lr=follows)
+        opt.setup(model)
+        opt.lr = lr_then
+        observation = {}
+        with chainer.Reporter().scope(observation):
+            opt.update(loss_fn(model), *send(*data()))
+        assert observation['kfac/update_scale'] < 0.5
+        return [host(p.array) for p in model.params()]
+
+    followed = step(0.5, 1e-4, True, 0.25)
+    fixed = step(0.25, 0.25e-4, False, 0.25)
+    for a, b in zip(followed, fixed):
+        numpy.testing.assert_allclose(a, b, rtol=1e-12)
+    with pytest.raises(ValueError, match='kl_clip_follows_lr=True needs '
+                       'lr > 0'):
+        chainerkfac.optimizers.KFAC(lr=0.0, kl_clip_follows_lr=True)

@@ -88,7 +88,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 kl_clip_batch=64, kl_clip_relative=None, divergence='warn',
+                 kl_clip_batch=64, kl_clip_relative=None,
+                 kl_clip_follows_lr=False, divergence='warn',
                  max_skipped_steps=100,
                  step_rule='graft', conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
@@ -108,6 +109,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             batch_subsample=batch_subsample, conv_factors=conv_factors,
             doubly_factored_from=doubly_factored_from,
             kl_clip_batch=kl_clip_batch, kl_clip_relative=kl_clip_relative,
+            kl_clip_follows_lr=kl_clip_follows_lr, reference_lr=lr,
             max_skipped_steps=max_skipped_steps, precondition=precondition,
             independent_processes=independent_processes)
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
@@ -220,11 +222,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self._stages.placement(self.blocks)))
 
     def option_values(self):
-        """``{option: text}``: every constructor option and hyperparameter
-        as text that two processes which set the same values print alike
-        (a schedule by its ``repr``, a plain function by its name), for
-        comparing processes (:mod:`chainerkfac.distributed.consistency`).
-        """
+        """``{option: text}`` of every option and hyperparameter, alike
+        where two processes set the same values
+        (:mod:`chainerkfac.distributed.consistency`)."""
         return options.option_values(self)
 
     # -- the step -----------------------------------------------------------
@@ -335,8 +335,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                      scale)
         kappa = None if self.step_rule.chooses_update else \
             self._relative_bound.bound(
-                update_norm.bound(hp.kl_clip, batch or None,
-                                  self.kl_clip_batch),
+                update_norm.bound(update_norm.follow(
+                    hp.kl_clip, hp.lr, self.kl_clip_lr),
+                    batch or None, self.kl_clip_batch),
                 self.kl_clip_relative, kl, hp.lr)
         nu = update_norm.scale(kl, kappa)
         step_rule_module.rescale(self.blocks, rho * nu)

@@ -54,11 +54,14 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
               step_rule, factor_interval, inverse_interval, inverse_delay,
               acc_iters, spatial_subsample, batch_subsample, conv_factors,
               doubly_factored_from, kl_clip_batch, kl_clip_relative,
-              max_skipped_steps, precondition, independent_processes):
+              kl_clip_follows_lr, reference_lr, max_skipped_steps,
+              precondition, independent_processes):
     """Checks :class:`~chainerkfac.optimizers.KFAC`'s constructor options
     and sets them, as attributes of the same names, on ``optimizer``
     (``precondition`` as ``use_kfac``; ``factor_interval=None`` is
-    :class:`~chainerkfac.schedules.Adaptive`)."""
+    :class:`~chainerkfac.schedules.Adaptive`; ``kl_clip_follows_lr=True``
+    as ``kl_clip_lr``, the learning rate ``reference_lr`` at which
+    ``kl_clip`` holds, else ``None``)."""
     optimizer.inverse = choice(inverse, INVERSES, 'inverse')
     optimizer.bn_fisher = choice(bn_fisher, BN_FISHERS, 'bn_fisher')
     optimizer.nonfinite = choice(nonfinite, NONFINITE, 'nonfinite')
@@ -81,6 +84,13 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
         positive_int(kl_clip_batch, 'kl_clip_batch')
     optimizer.kl_clip_relative = None if kl_clip_relative is None else \
         real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
+    optimizer.kl_clip_lr = None
+    if kl_clip_follows_lr:
+        if not (isinstance(reference_lr, numbers.Real) and reference_lr > 0):
+            raise ValueError('KFAC kl_clip_follows_lr=True needs lr > 0 (the '
+                             'bound is kl_clip at that learning rate), got '
+                             'lr={!r}'.format(reference_lr))
+        optimizer.kl_clip_lr = float(reference_lr)
     optimizer.max_skipped_steps = positive_int(max_skipped_steps,
                                                'max_skipped_steps')
     optimizer.use_kfac = bool(precondition)
@@ -224,6 +234,7 @@ def option_values(optimizer):
         doubly_factored_from=optimizer.doubly_factored_from,
         kl_clip_batch=optimizer.kl_clip_batch,
         kl_clip_relative=optimizer.kl_clip_relative,
+        kl_clip_follows_lr=optimizer.kl_clip_lr,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
         precondition=optimizer.use_kfac, step_rule=optimizer.step_rule,
