@@ -54,10 +54,10 @@ with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
 
 Each run is kept in ``results/compare_shapes.json`` as soon as it ends, in
-its variant ``--name`` (the default one without it; ``--out FILE``: in a
-file of its own instead); a run already there is not repeated, so the grid
-can be grown over several invocations. ``--report`` (also at the end of
-every invocation) prints and stores, per batch: MomentumSGD's best final
+its variant ``--name`` (the default one without it; ``--out FILE``: in that
+file, as its variant ``--name``); a run already there is not repeated, so
+the grid can be grown over several invocations. ``--report`` (also at the end
+of every invocation) prints and stores, per batch: MomentumSGD's best final
 validation accuracy (best base learning rate, mean over seeds) and the
 target it sets (that minus 0.5 point); for each optimizer at its best
 learning rate, the median epochs and training seconds to the target, its
@@ -548,7 +548,8 @@ def main(argv=None):
     parser.add_argument('--jobs', type=int, default=1)
     harness.add_name_option(parser, 'compare_shapes')
     parser.add_argument('--out', default=None,
-                        help='keep the runs in this file instead (a path)')
+                        help='keep the variant in this file instead (a '
+                        'path)')
     parser.add_argument('--report', action='store_true',
                         help='only summarise the stored runs')
     args = parser.parse_args(argv)

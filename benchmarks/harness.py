@@ -317,36 +317,34 @@ def add_name_option(parser, script):
                         '(default: {})'.format(script, DEFAULT))
 
 
-def read_variants(script):
-    """``{name: payload}`` of every variant in ``results/<script>.json``,
-    the default first ({} when the file is not there)."""
-    return (read_json(script + '.json') or {}).get('variants', {})
+def read_variants(script, out=None):
+    """``{name: payload}`` of every variant in ``results/<script>.json``
+    (or in the file ``out``, a run kept outside ``results/``), the default
+    first ({} when the file is not there)."""
+    return (read_json(os.path.abspath(out) if out else script + '.json')
+            or {}).get('variants', {})
 
 
 def read_variant(script, name=DEFAULT, out=None):
-    """The payload of variant ``name`` of ``script``, or None; with
-    ``out`` (a path), the payload alone in that file instead."""
-    if out:
-        return read_json(os.path.abspath(out))
-    return read_variants(script).get(name)
+    """The payload of variant ``name`` of ``script`` (in the file ``out``
+    if given), or None."""
+    return read_variants(script, out).get(name)
 
 
 def write_variant(script, name, payload, out=None):
-    """Stores ``payload`` as variant ``name`` of ``results/<script>.json``,
-    keeping the other variants, and returns the file's path; with ``out``
-    (a path: a run kept outside ``results/``), writes the payload alone
-    there instead. Runs of one script writing at the same time wait for
-    each other (a lock on ``results/``), so neither loses the other's
-    variant."""
-    if out:
-        return write_json(os.path.abspath(out), payload)
+    """Stores ``payload`` as variant ``name`` of ``results/<script>.json``
+    (or of the file ``out``), keeping the other variants, and returns the
+    file's path. Runs writing the same folder at the same time wait for
+    each other (a lock on it), so neither loses the other's variant."""
+    path = os.path.abspath(out) if out else os.path.join(
+        results_dir(), script + '.json')
     import fcntl
-    lock = os.open(results_dir(), os.O_RDONLY)
+    lock = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        variants = read_variants(script)
+        variants = read_variants(script, out)
         variants[name] = payload
-        return write_json(script + '.json', {
+        return write_json(path, {
             'script': script,
             'variants': {n: variants[n] for n in sorted(
                 variants, key=lambda n: (n != DEFAULT, n))}})

@@ -34,7 +34,8 @@ explicit inverses that long intervals use: on ResNet-50 at 224x224 about
 Stage times come from the library's timing hook (``optimizer.stage_timer``,
 :mod:`chainerkfac.timing`). Results go to
 ``benchmarks/results/step_time.json``, as its variant ``--name`` (the
-default one without it; ``--out FILE``: to a file of their own instead).
+default one without it; ``--out FILE``: in that file instead, as its
+variant ``--name``).
 """
 import argparse
 import copy
@@ -479,8 +480,8 @@ def main(argv=None):
                         'lost overlap of kernel launches inflates totals')
     harness.add_name_option(parser, 'step_time')
     parser.add_argument('--out', default=None,
-                        help='write the results alone to this file instead '
-                        '(runs kept elsewhere, e.g. by gpu/check.sh)')
+                        help='keep the variant in this file instead (runs '
+                        'kept elsewhere, e.g. by gpu/check.sh)')
     args = parser.parse_args(argv)
     device = chainer.get_device(args.device)
     device.use()

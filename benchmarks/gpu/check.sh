@@ -111,7 +111,7 @@ step_time() {
     echo "== per-stage breakdown: the GPU is synchronised at every stage"
     timeout 200 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 --sync-stages --configs sgd,kfac_1,kfac_10_100 \
-        --steps 10 --warmup 2 --out "$OUT/step_time_gpu_stages.json"
+        --steps 10 --warmup 2 --out "$OUT/step_time_gpu.json" --name stages
 }
 
 inverse_delay() {
@@ -120,7 +120,8 @@ inverse_delay() {
     timeout 200 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 --configs \
         sgd,kfac_10_20,kfac_10_20_delay3,kfac_adaptive,kfac_adaptive_delay3 \
-        --steps 40 --warmup 3 --out "$OUT/step_time_gpu_inverse_delay.json"
+        --steps 40 --warmup 3 --out "$OUT/step_time_gpu.json" \
+        --name inverse_delay
 }
 
 peer() {
@@ -132,13 +133,13 @@ ab() {
     timeout 300 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 --sync-stages --configs \
         sgd,kfac_1,kfac_1+im2col,kfac_1+whole_batch,kfac_1+im2col_whole_batch \
-        --steps 12 --warmup 2 --out "$OUT/step_time_gpu_ab.json"
+        --steps 12 --warmup 2 --out "$OUT/step_time_gpu.json" --name ab
 }
 
 tf32() {
     CUPY_TF32=1 timeout 300 "$PY" benchmarks/step_time.py --models resnet50 \
         --device @cupy:0 --configs sgd,kfac_1,kfac_10_100,kfac_50_50 \
-        --steps 30 --warmup 3 --out "$OUT/step_time_gpu_tf32.json"
+        --steps 30 --warmup 3 --out "$OUT/step_time_gpu.json" --name tf32
 }
 
 imagenet() {

@@ -2,7 +2,7 @@
 (KAISA) on the same card and shapes as ``step_time.py --models resnet50
 --device @cupy:0``.
 
-    python benchmarks/gpu/peer_torch.py --out peer_torch.json
+    python benchmarks/gpu/peer_torch.py --out peer_torch.json [--tf32]
 
 Needs ``torch``, ``torchvision`` and ``kfac-pytorch`` where it runs; none of
 them is a dependency of the library (check.sh's ``peer`` stage installs
@@ -21,13 +21,21 @@ a factor step where it is one of ``F``, else stale; the amortised time
 weights each kind's median by its share of the schedule (a kind no timed
 step had takes ``kaisa_1_1``'s refresh median). ``--tf32`` lets cuDNN and
 cuBLAS use TF32 (PyTorch's default for convolutions); by default both
-compute in full float32, as CuPy does.
+compute in full float32, as CuPy does. The file ``--out`` keeps one
+variant per precision, ``fp32`` and ``tf32``
+(:func:`harness.write_variant <harness.write_variant>`).
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+import harness  # NOQA: E402  (benchmarks/harness.py)
 
 CONFIGS = {'kaisa_1_1': (1, 1), 'kaisa_10_100': (10, 100),
            'kaisa_50_50': (50, 50)}
@@ -117,9 +125,8 @@ def main(argv=None):
                if device.type == 'cuda' else 'cpu',
                'cudnn': torch.backends.cudnn.version(), 'tf32': args.tf32,
                'batch': args.batch, 'steps': args.steps, 'results': results}
-    with open(args.out, 'w') as f:
-        json.dump(payload, f, indent=1)
-    print('written', args.out)
+    print('written', harness.write_variant(
+        'peer_torch', 'tf32' if args.tf32 else 'fp32', payload, args.out))
 
 
 if __name__ == '__main__':
