@@ -33,6 +33,21 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
   damping set together (and the guard, where it binds).
+* :class:`KLGraft` (``'kl_graft'``): the natural step's direction over
+  all blocks together, with the KL change of the grafted step: one scale
+  for every block, ::
+
+      ρ² = Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
+
+  so that ``½ η² Σ_b ρ² ⟨V_b, g_b⟩``, the step's KL change
+  (:mod:`chainerkfac.update_norm`), equals that of :class:`Graft`'s step.
+  The learning rate keeps grafting's units, while the curvature divides
+  the step among the layers as the natural step does. Where the guard
+  binds, the step is then ``F̂⁻¹ g`` scaled to the bound's KL change: of
+  all steps with that KL change, the one whose first-order decrease of
+  the loss is largest (Amari 1998, as Ba et al. 2017 §2.2 restate it),
+  where a shortened grafted step spends the same KL change on a worse
+  direction.
 
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
@@ -132,7 +147,24 @@ class Graft(StepRule):
         return numpy.where(vv > 0, numpy.sqrt(gg / safe), 1.0)
 
 
-RULES = {rule.name: rule for rule in (Graft, Natural)}
+class KLGraft(StepRule):
+    """``ρ_b = sqrt(Σ_c (‖g_c‖² / ‖V_c‖²) ⟨V_c, g_c⟩ / Σ_c ⟨V_c, g_c⟩)``
+    for every block ``b``: the natural direction, as long in KL change as
+    :class:`Graft`'s step."""
+
+    name = 'kl_graft'
+
+    def scales(self, terms):
+        vg = terms[:, 0]
+        total = vg.sum()
+        if not total > 0:
+            return numpy.ones(len(terms))
+        grafted = Graft().scales(terms)
+        return numpy.full(len(terms),
+                          numpy.sqrt((grafted ** 2 * vg).sum() / total))
+
+
+RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft)}
 
 
 def register(rule):

@@ -97,17 +97,43 @@ def bound(kl_clip, batch, reference):
     return kl_clip * ratio * max(ratio, 1.0)
 
 
-def follow(kl_clip, lr, reference_lr):
-    """``kl_clip · (η_t / η_0)²``, the bound following the learning rate
-    ``η_t = lr`` from ``η_0 = reference_lr`` (the ``kl_clip_follows_lr``
-    option: the learning rate the optimizer was built with); ``kl_clip``
-    itself when ``reference_lr`` is ``None``. Where the guard binds, the
-    step is then ``(η_t / η_0) sqrt(κ / Σρ²⟨V, g⟩) ρV``: a step of a fixed
-    KL change, which the schedule scales as it scales SGD's step (the
-    guard's ``q`` grows with ``η²``)."""
-    if kl_clip is None or reference_lr is None:
-        return kl_clip
-    return kl_clip * (lr / reference_lr) ** 2
+class FollowedBound:
+    """The bound following the learning rate's schedule (the
+    ``kl_clip_follows_lr`` option)::
+
+        κ_t = kl_clip · (η_t / η̂_t)²,    η̂_t = max(η_0, max_{s ≤ t} η_s)
+
+    ``η_0`` the learning rate the optimizer was built with, ``η̂_t`` the
+    largest the run has had since, so that the bound is ``kl_clip`` at the
+    schedule's peak and never above it, however the schedule starts (an
+    optimizer built at the default lr and set higher, a warm-up from
+    below). Where the guard binds, the step is then
+    ``(η_t / η̂_t) sqrt(κ / Σρ²⟨V, g⟩) ρV``: a step of a fixed KL change,
+    which warm-up and decay scale as they scale SGD's step (the guard's
+    ``q`` grows with ``η²``). ``η̂_t`` is kept in snapshots.
+    """
+
+    def __init__(self, reference_lr):
+        #: ``η̂_t``; ``None``: the bound does not follow the schedule.
+        self.peak = reference_lr
+
+    def bound(self, kl_clip, lr):
+        """``κ_t`` at learning rate ``lr`` (``kl_clip`` itself when the
+        bound does not follow, ``None`` when the guard is off)."""
+        if kl_clip is None or self.peak is None:
+            return kl_clip
+        self.peak = max(self.peak, lr)
+        return kl_clip * (lr / self.peak) ** 2
+
+    def serialize(self, serializer):
+        """Saves or loads ``η̂_t`` (a snapshot written before it was kept
+        leaves the built learning rate)."""
+        if self.peak is None:
+            return
+        try:
+            self.peak = float(serializer('peak_lr', self.peak))
+        except KeyError:
+            pass
 
 
 def scale(q, bound):

@@ -9,6 +9,7 @@ import chainerkfac
 from chainerkfac import update_norm
 from chainerkfac.distributed import split
 from tests import brute_force
+from tests import snapshot_helpers
 from tests.device import host, place, send
 
 
@@ -54,6 +55,12 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
     else:
         rho = {name: numpy.linalg.norm(g) / numpy.linalg.norm(V)
                for name, (g, V) in solved.items()}
+    if rule == 'kl_graft':
+        # One scale: the natural step with the grafted step's KL change.
+        grafted = sum(rho[name] ** 2 * numpy.vdot(V, g)
+                      for name, (g, V) in solved.items())
+        natural = sum(numpy.vdot(V, g) for g, V in solved.values())
+        rho = {name: numpy.sqrt(grafted / natural) for name in solved}
     kl = lr ** 2 * sum(rho[name] ** 2 * numpy.vdot(V, g)
                        for name, (g, V) in solved.items())
     nu = 1.0 if kl_clip is None else \
@@ -70,7 +77,8 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
 @pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
                                         (numpy.float32, 2e-3)])
 @pytest.mark.parametrize('rule,kl_clip', [
-    ('natural', 1e-4), ('graft', None), ('graft', 1e-4)])
+    ('natural', 1e-4), ('graft', None), ('graft', 1e-4),
+    ('kl_graft', None), ('kl_graft', 1e-4)])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol, rule,
                                                kl_clip):
@@ -114,6 +122,11 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                   rtol=rtol)
     numpy.testing.assert_allclose(observation['kfac/update_scale'], nu,
                                   rtol=rtol)
+    if rule == 'kl_graft':
+        # The natural direction with the KL change of the grafted step.
+        _, grafted_kl, _ = dense_step_scales('graft', solved, None, lr, 0)
+        numpy.testing.assert_allclose(observation['kfac/kl'], grafted_kl,
+                                      rtol=rtol)
     for name, (_, V) in solved.items():
         step = lr * rho[name] * nu * V
         W_new = before['/' + name + '/W'] - step[:, :-1]
@@ -710,9 +723,10 @@ def test_forward_pass_never_backpropagated_is_named(caplog):
 
 
 def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
-    # kl_clip_follows_lr=True: at lr η_t the bound is kl_clip (η_t / η_0)²,
-    # η_0 the lr the optimizer was built with; the guard binds here, so the
-    # step equals that of a fixed bound of kl_clip / 4 at lr η_0 / 2.
+    # kl_clip_follows_lr=True: at lr η_t the bound is kl_clip (η_t / η̂_t)²,
+    # η̂_t the largest of the lr it was built with and those of its steps;
+    # the guard binds here, so the step equals that of a fixed bound of
+    # kl_clip / 4 at lr η_0 / 2.
     def step(lr, kl_clip, follows, lr_then):
         numpy.random.seed(0)
         model = place(MLP())
@@ -731,6 +745,39 @@ def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
     fixed = step(0.25, 0.25e-4, False, 0.25)
     for a, b in zip(followed, fixed):
         numpy.testing.assert_allclose(a, b, rtol=1e-12)
+    # Built below the schedule's peak, the bound is kl_clip at the largest
+    # lr of the run, never above: here that of its first step.
+    raised = step(0.1, 1e-4, True, 0.25)
+    plain = step(0.25, 1e-4, False, 0.25)
+    for a, b in zip(raised, plain):
+        numpy.testing.assert_allclose(a, b, rtol=1e-12)
     with pytest.raises(ValueError, match='kl_clip_follows_lr=True needs '
                        'lr > 0'):
         chainerkfac.optimizers.KFAC(lr=0.0, kl_clip_follows_lr=True)
+
+
+def test_bound_following_the_learning_rate_resumes_with_its_peak():
+    # η̂_t, the largest lr so far (0.5 here, above the built 0.1), is in the
+    # snapshot: the resumed step at lr 0.25 is the uninterrupted one's.
+    def make():
+        numpy.random.seed(0)
+        model = place(MLP())
+        opt = chainerkfac.optimizers.KFAC(
+            lr=0.1, momentum=0.0, step_rule='natural', kl_clip=1e-4,
+            kl_clip_follows_lr=True)
+        opt.setup(model)
+        return model, opt
+
+    model, opt = make()
+    batch = data()
+    opt.lr = 0.5
+    opt.update(loss_fn(model), *send(*batch))
+    resumed, reloaded = snapshot_helpers.reloaded(model, opt, make)
+    for m, o in ((model, opt), (resumed, reloaded)):
+        o.lr = 0.25
+        observation = {}
+        with chainer.Reporter().scope(observation):
+            o.update(loss_fn(m), *send(*batch))
+        assert observation['kfac/update_scale'] < 0.5
+    for a, b in zip(model.params(), resumed.params()):
+        numpy.testing.assert_array_equal(host(a.array), host(b.array))

@@ -31,7 +31,9 @@ class SnapshotState:
         if not present:
             return None
         if isinstance(serializer, serializer_module.Deserializer):
-            loaded = numpy.asarray(serializer(key, None))
+            # A copy: the factors are folded in place, and a snapshot kept
+            # in memory must not change with the run that loaded it.
+            loaded = numpy.array(serializer(key, None))
             if not numpy.isfinite(loaded).all():
                 raise ValueError('snapshot holds a non-finite {} of K-FAC '
                                  'layer {}'.format(key, self.name))

@@ -10,9 +10,6 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
                             the update-norm guard, if on, bounds it
     update rule             v <- momentum v - lr V;  w <- w + v
     optimizer hooks 'post'
-
-Parameters of links without a Fisher block keep their raw gradient and so
-follow plain momentum SGD.
 """
 import logging
 
@@ -114,6 +111,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             independent_processes=independent_processes)
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
         self._relative_bound = update_norm.RelativeBound()
+        self._followed_bound = update_norm.FollowedBound(self.kl_clip_lr)
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
@@ -335,8 +333,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                      scale)
         kappa = None if self.step_rule.chooses_update else \
             self._relative_bound.bound(
-                update_norm.bound(update_norm.follow(
-                    hp.kl_clip, hp.lr, self.kl_clip_lr),
+                update_norm.bound(self._followed_bound.bound(
+                    hp.kl_clip, hp.lr),
                     batch or None, self.kl_clip_batch),
                 self.kl_clip_relative, kl, hp.lr)
         nu = update_norm.scale(kl, kappa)
@@ -377,6 +375,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self._check_finite_momentum()
         self._relative_bound.serialize(state['guard'],
                                        self.kl_clip_relative)
+        self._followed_bound.serialize(state['guard'])
         if loading and not found:
             logger.warning('the snapshot holds no K-FAC state (another '
                            "optimizer's?): momentum and step count loaded, "
