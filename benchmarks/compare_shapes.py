@@ -33,7 +33,10 @@ guard's bound relative to the run's own steps (``kfac_graft_rel10``:
 falling with the square of the schedule's factor after the warm-up
 (``kfac_graft_decay``: ``kl_clip`` set to ``κ · factor²`` from outside
 before each step, so that a bound step shortens with the learning rate
-as it decays). The K-FAC rows below them are the natural step
+as it decays); ``--kl-graft LRS`` the natural direction at the grafted
+step's KL change, the bound following the schedule (``kfac_kl_graft``:
+``step_rule='kl_graft', kl_clip_follows_lr=True``, the bound at its
+default). The K-FAC rows below them are the natural step
 (``step_rule='natural'``), the default before grafting.
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
@@ -97,6 +100,9 @@ OPTIMIZERS = {
     'kfac_graft_rel10': {'kl_clip_relative': 10},
     # The same with the bound following the decay (not the warm-up).
     'kfac_graft_decay': {},
+    # The natural direction at the grafted step's KL change, the bound
+    # following the schedule (in the library, not from outside).
+    'kfac_kl_graft': {'step_rule': 'kl_graft', 'kl_clip_follows_lr': True},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
     'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
@@ -127,7 +133,8 @@ OPTIMIZERS = {
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
-         'kfac_swap_adaptive', 'kfac_graft_rel10', 'kfac_graft_decay')
+         'kfac_swap_adaptive', 'kfac_graft_rel10', 'kfac_graft_decay',
+         'kfac_kl_graft')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_default`` is the best of the natural
 #: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
@@ -138,6 +145,7 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
         'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
         'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
                                          'kfac_graft_decay',
+                                         'kfac_kl_graft',
                                          'kfac_quadratic_model',
                                          'kfac_quadratic_model_floor')
 #: A row's colour in the plot (every row has one: a run must not end in a
@@ -146,7 +154,7 @@ COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red',
                           'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
                           'tab:orange', 'tab:green', 'tab:purple', 'gold',
-                          'magenta', 'darkred', 'salmon')))
+                          'magenta', 'darkred', 'salmon', 'teal')))
 assert len(COLOURS) == len(ROWS)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
@@ -536,6 +544,10 @@ def main(argv=None):
     parser.add_argument('--graft-decay', default=None,
                         help='base lrs of the one-line swap with the bound '
                         'following the decay (kfac_graft_decay)')
+    parser.add_argument('--kl-graft', default=None,
+                        help='base lrs of the natural direction at the '
+                        'grafted step\'s KL change, the bound following '
+                        'the schedule (kfac_kl_graft)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\', \'none\' '
                         'or numbers, each with every --graft lr')
@@ -602,7 +614,8 @@ def main(argv=None):
                   for name in ('kfac_quadratic_model',
                                'kfac_quadratic_model_floor')]
     for name, lrs in (('kfac_graft_rel10', args.graft_relative),
-                      ('kfac_graft_decay', args.graft_decay)):
+                      ('kfac_graft_decay', args.graft_decay),
+                      ('kfac_kl_graft', args.kl_graft)):
         specs += [(name, float(lr), chainerkfac.optimizers.KFAC().kl_clip,
                    batch, seed, args.epochs, args.warmup)
                   for seed in range(args.seeds) for batch in batches

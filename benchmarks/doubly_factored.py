@@ -67,7 +67,12 @@ OPTIMIZERS = {'sgd': None, 'kfac': {},
               'kfac_doubly': {'doubly_factored_from': WIDTH},
               # The guard's bound relative to the run's own steps.
               'kfac_doubly_rel10': {'doubly_factored_from': WIDTH,
-                                    'kl_clip_relative': 10}}
+                                    'kl_clip_relative': 10},
+              # The natural direction at the grafted step's KL change, the
+              # bound following the schedule.
+              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH,
+                                       'step_rule': 'kl_graft',
+                                       'kl_clip_follows_lr': True}}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
 

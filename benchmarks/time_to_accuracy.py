@@ -165,6 +165,12 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               'kfac_adaptive_rel10': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'kl_clip_relative': 10},
+              # The natural direction at the grafted step's KL change, the
+              # bound following the learning rate's schedule.
+              'kfac_adaptive_kl_graft': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'kl_graft',
+                  'kl_clip_follows_lr': True},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
               # rate is not used, no guard.
