@@ -118,8 +118,10 @@ class FollowedBound:
         self.peak = reference_lr
 
     def bound(self, kl_clip, lr):
-        """``κ_t`` at learning rate ``lr`` (``kl_clip`` itself when the
-        bound does not follow, ``None`` when the guard is off)."""
+        """``κ_t`` at learning rate ``lr``, which joins ``η̂_t`` (``kl_clip``
+        itself when the bound does not follow, ``None`` when the guard is
+        off). ``η̂_t`` depends on the schedule alone, so a step skipped
+        afterwards still counts in it."""
         if kl_clip is None or self.peak is None:
             return kl_clip
         self.peak = max(self.peak, lr)
