@@ -18,11 +18,15 @@ update-norm guard's bound follows the schedule's squared factor, as the
 guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
 nor the decay.
 
-``--graft LRS`` adds the one-line swap at today's defaults (``kfac_graft``:
-the grafted step, whose length follows the learning rate as MomentumSGD's
-does, the safety bound at its default or ``--graft-kl-clips``, adaptive
-intervals) at the base learning rates given, typically MomentumSGD's
-grid; the report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
+``--kl-graft LRS`` adds the one-line swap at the defaults
+(``kfac_kl_graft``: ``KFAC(lr, momentum)``, the natural direction at the
+grafted step's KL change, its bound following the schedule) at the base
+learning rates given, typically MomentumSGD's best. ``--graft LRS`` adds
+the one-line swap at the defaults before it (``kfac_graft``: the grafted
+step, whose length follows the learning rate as MomentumSGD's does, the
+safety bound fixed at 1e-2 or ``--graft-kl-clips``, adaptive intervals)
+at the base learning rates given, typically MomentumSGD's grid; the
+report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
 best base learning rate, and ``kfac_at_sgd_lr``, the best of K-FAC's
 natural-step grid (below) at that learning rate: the step
 ``KFAC(lr, momentum, step_rule='natural', factor_interval=1,
@@ -33,11 +37,10 @@ guard's bound relative to the run's own steps (``kfac_graft_rel10``:
 falling with the square of the schedule's factor after the warm-up
 (``kfac_graft_decay``: ``kl_clip`` set to ``κ · factor²`` from outside
 before each step, so that a bound step shortens with the learning rate
-as it decays); ``--kl-graft LRS`` the natural direction at the grafted
-step's KL change, the bound following the schedule (``kfac_kl_graft``:
-``step_rule='kl_graft', kl_clip_follows_lr=True``, the bound at its
-default). The K-FAC rows below them are the natural step
-(``step_rule='natural'``), the default before grafting.
+as it decays). The K-FAC rows below them are the natural step
+(``step_rule='natural'``), the default before grafting. Every row but
+``kfac_kl_graft`` keeps the bound as the library grew it when the row was
+measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``bound_at``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -93,16 +96,18 @@ WEIGHT_DECAY = 5e-4
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
-    # The one-line swap at the defaults: KFAC(lr, momentum), its step as
-    # long as MomentumSGD's per layer (step_rule 'graft'), no bound.
-    'kfac_graft': {},
+    # The one-line swap at the defaults before kl_graft: its step as long
+    # as MomentumSGD's per layer (step_rule 'graft'), the bound fixed at
+    # GRAFT_KL_CLIP.
+    'kfac_graft': {'step_rule': 'graft'},
     # The same with the bound relative to the run's own steps.
-    'kfac_graft_rel10': {'kl_clip_relative': 10},
+    'kfac_graft_rel10': {'step_rule': 'graft', 'kl_clip_relative': 10},
     # The same with the bound following the decay (not the warm-up).
-    'kfac_graft_decay': {},
-    # The natural direction at the grafted step's KL change, the bound
-    # following the schedule (in the library, not from outside).
-    'kfac_kl_graft': {'step_rule': 'kl_graft', 'kl_clip_follows_lr': True},
+    'kfac_graft_decay': {'step_rule': 'graft'},
+    # The one-line swap: KFAC(lr, momentum) at the defaults, the natural
+    # direction at the grafted step's KL change, the bound following the
+    # schedule and growing like B.
+    'kfac_kl_graft': {},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
     'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
@@ -158,6 +163,20 @@ COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
 assert len(COLOURS) == len(ROWS)
 #: The update-norm guard's bound of the one-line swap before grafting.
 NATURAL_KL_CLIP = 1e-4
+#: The bound of the one-line swap between grafting and kl_graft.
+GRAFT_KL_CLIP = 1e-2
+
+
+def bound_at(name, kl_clip, batch):
+    """``(kl_clip, kl_clip_batch)`` to build row ``name``'s K-FAC with at
+    global batch ``batch``. Every row but the defaults' (``kfac_kl_graft``)
+    keeps the bound as the library grew it when the row was measured:
+    ``kl_clip`` at batch 64 and ``(B / 64)²`` times that above, without the
+    default's cap (``update_norm.GROWN_MAX``)."""
+    if name == 'kfac_kl_graft' or kl_clip is None:
+        return kl_clip, 64
+    return kl_clip * max(batch / 64, 1) * batch / 64, None
+
 
 _DATA = {}
 
@@ -208,8 +227,13 @@ def train(spec, decays=()):
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
-        optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
-                                                kl_clip=kl_clip, **options)
+        kl_clip, kl_clip_batch = bound_at(name, kl_clip, batch)
+        if name != 'kfac_kl_graft':
+            # The schedule moves these rows' bounds from here, if at all.
+            options = dict(options, kl_clip_follows_lr=False)
+        optimizer = chainerkfac.optimizers.KFAC(
+            lr=lr, momentum=0.9, kl_clip=kl_clip,
+            kl_clip_batch=kl_clip_batch, **options)
     # The quadratic model's step needs update(classifier, x, t).
     net = chainer.links.Classifier(model) if options is not None and \
         optimizer.step_rule.chooses_update else model
@@ -339,7 +363,7 @@ def summarise(runs):
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
         group = sgd and groups.get((batch, 'kfac_graft', (
-            sgd['setting'][0], chainerkfac.optimizers.KFAC().kl_clip)))
+            sgd['setting'][0], GRAFT_KL_CLIP)))
         if group:
             # The one-line swap as a MomentumSGD user makes it: at the
             # learning rate tuned for MomentumSGD.
@@ -528,29 +552,29 @@ def main(argv=None):
                         help='also the stale schedules at K-FAC\'s best '
                         'setting')
     parser.add_argument('--swap', action='store_true',
-                        help='also the one-line swap (kfac_swap) at each '
-                        'batch, at the first --lrs-kfac')
+                        help='also the one-line swap before grafting '
+                        '(kfac_swap) at each batch, at the first --lrs-kfac')
     parser.add_argument('--swap-stale', action='store_true',
                         help='also the one-line swap with stale curvature: '
                         'factors every 10 steps and inverses every 100 '
                         '(kfac_swap_10_100), adaptive intervals '
                         '(kfac_swap_adaptive)')
     parser.add_argument('--graft', default=None,
-                        help='base lrs of the one-line swap at the defaults '
-                        '(kfac_graft), e.g. MomentumSGD\'s grid')
+                        help='base lrs of the grafted step, the defaults '
+                        'before kl_graft (kfac_graft), e.g. MomentumSGD\'s '
+                        'grid')
     parser.add_argument('--graft-relative', default=None,
-                        help='base lrs of the one-line swap with '
+                        help='base lrs of the grafted step with '
                         'kl_clip_relative=10 (kfac_graft_rel10)')
     parser.add_argument('--graft-decay', default=None,
-                        help='base lrs of the one-line swap with the bound '
+                        help='base lrs of the grafted step with the bound '
                         'following the decay (kfac_graft_decay)')
     parser.add_argument('--kl-graft', default=None,
-                        help='base lrs of the natural direction at the '
-                        'grafted step\'s KL change, the bound following '
-                        'the schedule (kfac_kl_graft)')
+                        help='base lrs of the one-line swap at the '
+                        'defaults (kfac_kl_graft)')
     parser.add_argument('--graft-kl-clips', default='default',
-                        help='kfac_graft\'s kl_clip: \'default\', \'none\' '
-                        'or numbers, each with every --graft lr')
+                        help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
+                        '\'none\' or numbers, each with every --graft lr')
     parser.add_argument('--quadratic-model', action='store_true',
                         help='also K-FAC with the step length, momentum and '
                         'damping from the quadratic model '
@@ -601,8 +625,7 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for name in names]
     if args.graft:
-        bounds = {'default': chainerkfac.optimizers.KFAC().kl_clip,
-                  'none': None}
+        bounds = {'default': GRAFT_KL_CLIP, 'none': None}
         specs += [('kfac_graft', float(lr), bounds[kl] if kl in bounds
                    else float(kl), batch, seed, args.epochs, args.warmup)
                   for seed in range(args.seeds) for batch in batches
@@ -613,11 +636,13 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for name in ('kfac_quadratic_model',
                                'kfac_quadratic_model_floor')]
-    for name, lrs in (('kfac_graft_rel10', args.graft_relative),
-                      ('kfac_graft_decay', args.graft_decay),
-                      ('kfac_kl_graft', args.kl_graft)):
-        specs += [(name, float(lr), chainerkfac.optimizers.KFAC().kl_clip,
-                   batch, seed, args.epochs, args.warmup)
+    for name, lrs, bound in (
+            ('kfac_graft_rel10', args.graft_relative, GRAFT_KL_CLIP),
+            ('kfac_graft_decay', args.graft_decay, GRAFT_KL_CLIP),
+            ('kfac_kl_graft', args.kl_graft,
+             chainerkfac.optimizers.KFAC().kl_clip)):
+        specs += [(name, float(lr), bound, batch, seed, args.epochs,
+                   args.warmup)
                   for seed in range(args.seeds) for batch in batches
                   for lr in (lrs.split(',') if lrs else ())]
     specs = [s for s in specs if s[:6] not in done]

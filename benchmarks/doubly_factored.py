@@ -32,10 +32,11 @@ convolutions with BatchNorm and ReLU, 16-32 at 24x24, 2x2 max-pooling,
 inputs, 256 outputs, ReLU) and ``fc2`` (10). The compare_shapes.py recipe
 (batch 256, linear warm-up over 2 epochs then cosine decay to 0, weight
 decay 5e-4, momentum 0.9; 10 epochs of 8,000 images): MomentumSGD over a
-grid of base learning rates (``--lrs-sgd``), and the one-line swap at the
-defaults (``kfac``: fc1's block ``A ⊗ G``, ``A``
-9,217 x 9,217) and with ``doubly_factored_from=8192`` (``kfac_doubly``:
-``Ψ`` 256 x 256, ``K`` 36 x 36), at ``--lrs-kfac``: MomentumSGD's best and
+grid of base learning rates (``--lrs-sgd``), and the grafted step, the
+defaults before ``kl_graft`` (``kfac``: fc1's block ``A ⊗ G``, ``A``
+9,217 x 9,217), the same with ``doubly_factored_from=8192``
+(``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36) and the defaults with it
+(``kfac_doubly_kl_graft``), at ``--lrs-kfac``: MomentumSGD's best and
 K-FAC's own. Each run
 keeps its per-epoch validation accuracy and loss, training seconds and
 its K-FAC stage seconds; runs are kept in ``results/doubly_factored.json``
@@ -63,16 +64,16 @@ import shapes
 OUT = 'doubly_factored.json'
 WIDTH = 8192
 #: name -> K-FAC options (None: MomentumSGD).
-OPTIMIZERS = {'sgd': None, 'kfac': {},
-              'kfac_doubly': {'doubly_factored_from': WIDTH},
+#: The defaults before kl_graft: the grafted step under a fixed bound.
+GRAFT = {'step_rule': 'graft', 'kl_clip_follows_lr': False}
+OPTIMIZERS = {'sgd': None, 'kfac': GRAFT,
+              'kfac_doubly': dict(GRAFT, doubly_factored_from=WIDTH),
               # The guard's bound relative to the run's own steps.
-              'kfac_doubly_rel10': {'doubly_factored_from': WIDTH,
-                                    'kl_clip_relative': 10},
-              # The natural direction at the grafted step's KL change, the
-              # bound following the schedule.
-              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH,
-                                       'step_rule': 'kl_graft',
-                                       'kl_clip_follows_lr': True}}
+              'kfac_doubly_rel10': dict(GRAFT, doubly_factored_from=WIDTH,
+                                        kl_clip_relative=10),
+              # The defaults: the natural direction at the grafted step's
+              # KL change, the bound following the schedule.
+              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH}}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
 

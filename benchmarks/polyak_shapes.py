@@ -9,9 +9,9 @@ parameters and of BatchNorm's statistics. Each run here trains like
 keeps :class:`chainerkfac.PolyakAveraging` averages at every ``--decays``
 value beside the live model; after every epoch it evaluates the live model
 and each average on the 5,000 validation images. MomentumSGD (``sgd``) and
-K-FAC's one-line swap at the defaults (``kfac_graft``) train at the same
-base learning rate, MomentumSGD's best on compare_shapes.py (1.6 at batch
-256).
+K-FAC's grafted step (``kfac_graft``, the defaults before kl_graft) train
+at the same base learning rate, MomentumSGD's best on compare_shapes.py
+(1.6 at batch 256).
 
 The report gives, per optimizer and per model (``live``, ``avg 0.99``,
 ...): the final validation accuracy and loss and the accuracy after half
@@ -188,7 +188,7 @@ def main(argv=None):
         print(write(runs, previous.get('environment'), args.out)[1])
         return
     environment = harness.environment()
-    kl_clip = chainerkfac.optimizers.KFAC().kl_clip
+    kl_clip = compare_shapes.GRAFT_KL_CLIP
     done = {_key(r) for r in runs}
     specs = [(decays, name, args.lr, None if name == 'sgd' else kl_clip,
               args.batch, seed, args.epochs, args.warmup)

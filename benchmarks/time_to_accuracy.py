@@ -149,24 +149,35 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
-              # The default grafted step with a looser safety bound.
+              # The defaults before kl_graft: the grafted step under a
+              # fixed bound, 0.01 (B / 64)² then, whole here at batch 512.
+              'kfac_adaptive_graft': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'graft',
+                  'kl_clip_follows_lr': False, 'kl_clip': 0.64,
+                  'kl_clip_batch': None},
+              # The grafted step with a looser safety bound (grown like
+              # B² above batch 64 when measured).
               'kfac_adaptive_kl0.1': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip': 0.1},
+                  'inverse_interval': 1, 'kl_clip': 0.1,
+                  'step_rule': 'graft', 'kl_clip_follows_lr': False},
               # The defaults before grafting: the natural step under the
               # update-norm guard's bound of 1e-4.
               'kfac_adaptive_natural': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'natural',
                   'kl_clip': 1e-4},
-              # The default grafted step under the bound relative to the
-              # run's own steps (kl_clip_relative,
-              # update_norm.RelativeBound).
+              # The grafted step under the bound relative to the run's
+              # own steps (kl_clip_relative, update_norm.RelativeBound;
+              # the fixed bound grown like B² above batch 64 when measured).
               'kfac_adaptive_rel10': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip_relative': 10},
+                  'inverse_interval': 1, 'kl_clip_relative': 10,
+                  'step_rule': 'graft', 'kl_clip_follows_lr': False},
               # The natural direction at the grafted step's KL change, the
-              # bound following the learning rate's schedule.
+              # bound following the learning rate's schedule (the defaults
+              # but the bound, grown like B² when measured).
               'kfac_adaptive_kl_graft': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'kl_graft',

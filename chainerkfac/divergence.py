@@ -16,12 +16,12 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   than asked. That is not a divergence: where the loss has not fallen below
   :data:`STALLED` times its first value the run stalls (a deep plain CNN
   under the natural step and the bound of 1e-4 stayed at its first loss for
-  hundreds of steps), and the :class:`StallWarning` says what helps: the
-  grafted step (``step_rule='graft'``), whose length follows the learning
-  rate, with the bound relative to the run's own steps
-  (``kl_clip_relative``, :class:`chainerkfac.update_norm.RelativeBound`), or a
-  larger ``kl_clip``. Lowering the learning rate or ``kl_clip``
-  would only shorten the steps further.
+  hundreds of steps), and the :class:`StallWarning` says what helps: a
+  larger ``kl_clip``, the bound relative to the run's own steps
+  (``kl_clip_relative``, :class:`chainerkfac.update_norm.RelativeBound`),
+  or, instead of the natural step, the default ``step_rule='kl_graft'``,
+  whose length follows the learning rate. Lowering the learning rate or
+  ``kl_clip`` would only shorten the steps further.
 
 Each kind of warning is given once. The monitor's state (the first and
 last losses, the hard clips in a row, the warnings given) is part of the
@@ -90,8 +90,8 @@ class DivergenceMonitor:
                 self._diverges(step, (
                     'the training loss {:.4g} is over {:g} times the first '
                     'loss {:.4g}; lower the learning rate (under the default '
-                    "step_rule='graft' K-FAC's steps are as long as "
-                    "MomentumSGD's at it), or bound the steps with kl_clip "
+                    "step_rule='kl_graft' K-FAC's learning rate has "
+                    "MomentumSGD's units), or bound the steps with kl_clip "
                     '(docs/guide/tuning.md)').format(
                         loss, LOSS_GROWTH, self.first_loss))
         self.hard_clips = self.hard_clips + 1 \
@@ -148,13 +148,14 @@ class DivergenceMonitor:
             'the training loss {:.4g} has not fallen (first {:.4g})'.format(
                 self.last_loss, self.first_loss)
         self._warn(StallWarning, (
-            "K-FAC stalls at iteration {}: {}, and {}. Use step_rule='graft'"
-            ' (the default), whose steps follow the learning rate, and, at '
-            'learning rates of 0.1 or less, kl_clip_relative=10, which '
-            "bounds the steps relative to the run's smallest instead of by "
-            'kl_clip alone, or raise kl_clip; '
-            'lowering the learning rate or kl_clip would shorten the steps '
-            'further (docs/guide/tuning.md)').format(step, clipped, loss))
+            'K-FAC stalls at iteration {}: {}, and {}. Raise kl_clip, or, '
+            'at learning rates of 0.1 or less, set kl_clip_relative=10, '
+            "which bounds the steps relative to the run's smallest instead "
+            "of by kl_clip alone; instead of step_rule='natural', use the "
+            "default step_rule='kl_graft', whose steps follow the learning "
+            'rate; lowering the learning rate or kl_clip would shorten the '
+            'steps further (docs/guide/tuning.md)').format(step, clipped,
+                                                           loss))
 
     def _warn(self, category, message):
         if category not in self.warned:

@@ -16,7 +16,7 @@ The update-norm guard
 
 Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 
-* :class:`Graft` (``'graft'``, the default): layer-wise learning-rate
+* :class:`Graft` (``'graft'``): layer-wise learning-rate
   grafting (Agarwal, Anil, Hazan, Koren & Zhang 2020, "Disentangling
   adaptive gradient methods from learning rates", §3: the magnitude of one
   method, the direction of another, per layer). Each block keeps K-FAC's
@@ -33,9 +33,9 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
   damping set together (and the guard, where it binds).
-* :class:`KLGraft` (``'kl_graft'``): the natural step's direction over
-  all blocks together, with the KL change of the grafted step: one scale
-  for every block, ::
+* :class:`KLGraft` (``'kl_graft'``, the default): the natural step's
+  direction over all blocks together, with the KL change of the grafted
+  step: one scale for every block, ::
 
       ρ² = Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
 

@@ -87,8 +87,8 @@ def test_tenfold_loss_growth_is_divergence():
 
 def test_guard_setting_every_step_of_a_flat_run_is_a_stall_not_divergence():
     # PATIENCE hard clips in a row with a flat loss: a StallWarning that
-    # names the guard and advises the grafted step, not a lower lr; even
-    # with divergence='raise' it only warns.
+    # names the guard and advises a larger bound or the default step rule,
+    # not a lower lr; even with divergence='raise' it only warns.
     monitor = divergence.DivergenceMonitor('raise')
     for step in range(divergence.PATIENCE - 1):
         monitor.observe(step, 2.0, update_scale=1e-4)
@@ -99,7 +99,7 @@ def test_guard_setting_every_step_of_a_flat_run_is_a_stall_not_divergence():
         monitor.observe(step, 1.95, update_scale=1e-4)
     message = str(caught[0].message)
     assert 'stalls' in message and 'diverge' not in message
-    assert "step_rule='graft'" in message and 'kl_clip' in message
+    assert "step_rule='kl_graft'" in message and 'kl_clip' in message
     assert 'kl_clip_relative=10' in message
     # A falling loss under hard clipping is slow, not stuck: no warning.
     falling = divergence.DivergenceMonitor('raise')
@@ -114,7 +114,7 @@ def test_deep_plain_cnn_stall_is_named_and_grafting_trains_it(digits):
     # far too small for it (as the default of 1e-4 was for a VGG on CIFAR
     # images: ν about 1e-4 on every step, the loss flat): hard clips for
     # 100 steps and a flat loss give a StallWarning, not a
-    # DivergenceWarning; the grafted default trains the same model.
+    # DivergenceWarning; the default step rule trains the same model.
     _, caught = losses('deep_cnn', chainerkfac.optimizers.KFAC(
         0.05, 0.9, step_rule='natural', kl_clip=1e-8),
         digits, steps=divergence.PATIENCE + 2)

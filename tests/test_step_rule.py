@@ -1,5 +1,5 @@
 """The step rule: the user's learning rate and its schedule set K-FAC's
-step (grafting, :mod:`chainerkfac.step_rule`), checked against MomentumSGD
+step (:mod:`chainerkfac.step_rule`), checked against MomentumSGD
 on the same batches; the dense checks of each rule's formula are in
 tests/test_update.py."""
 import chainer
@@ -86,7 +86,8 @@ def test_grafted_step_has_momentum_free_sgd_length_per_block():
     numpy.random.seed(0)
     model = place(L.Classifier(MLP()))
     rate, lr = 1e-2, 0.3
-    optimizer = chainerkfac.optimizers.KFAC(lr, momentum=0.0, kl_clip=None)
+    optimizer = chainerkfac.optimizers.KFAC(lr, momentum=0.0, kl_clip=None,
+                                            step_rule='graft')
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(rate))
     for x, y in batches(3):
@@ -155,6 +156,6 @@ def test_step_rule_option_is_checked_and_shown():
     with pytest.raises(ValueError, match="step_rule must be one of 'graft'"):
         chainerkfac.optimizers.KFAC(step_rule='sgd')
     optimizer = chainerkfac.optimizers.KFAC()
-    assert isinstance(optimizer.step_rule, step_rule.Graft)
-    assert optimizer.kl_clip == 1e-2
-    assert optimizer.option_values()['step_rule'] == "'graft'"
+    assert isinstance(optimizer.step_rule, step_rule.KLGraft)
+    assert optimizer.kl_clip == 1e-2 and optimizer.kl_clip_lr == 0.01
+    assert optimizer.option_values()['step_rule'] == "'kl_graft'"

@@ -144,18 +144,21 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                           rtol=rtol)
 
 
-@pytest.mark.parametrize('kl_clip_batch,acc_iters,manual,batch', [
-    (None, 1, 0, 16), (64, 1, 0, 16), (64, 2, 0, 16),
-    (4, 1, 1, 16), (4, 1, 4, 16), (64, 1, 0, 48)])
-def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
-                                          batch):
+@pytest.mark.parametrize('kl_clip,kl_clip_batch,acc_iters,manual,batch', [
+    (1e-4, None, 1, 0, 16), (1e-4, 64, 1, 0, 16), (1e-4, 64, 2, 0, 16),
+    (1e-4, 4, 1, 1, 16), (1e-4, 4, 1, 4, 16), (1e-4, 64, 1, 0, 48),
+    (0.1, 4, 1, 0, 16), (0.8, 4, 1, 0, 16), (0.8, None, 1, 0, 16)])
+def test_guard_bound_grows_with_the_batch(kl_clip, kl_clip_batch, acc_iters,
+                                          manual, batch):
     # κ = kl_clip · r · max(r, 1), r = B / kl_clip_batch: like B below
-    # kl_clip_batch, like B² above it (kl_clip_batch 4). B is the whole
-    # batch however it was fed (micro-batches of acc_iters, or the user's
-    # own forward and backward passes, ``manual`` of them).
-    kl_clip = 1e-4
+    # kl_clip_batch, like B² above it (kl_clip_batch 4), growing to at most
+    # GROWN_MAX, never below kl_clip. B is the whole batch however it was
+    # fed (micro-batches of acc_iters, or the user's own forward and
+    # backward passes, ``manual`` of them).
     model = place(MLP())
-    opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
+    # A learning rate at which the guard acts at every one of these bounds.
+    opt = chainerkfac.optimizers.KFAC(lr=0.5 if kl_clip < 0.01 else 20.0,
+                                      kl_clip=kl_clip,
                                       kl_clip_batch=kl_clip_batch,
                                       acc_iters=acc_iters)
     opt.setup(model)
@@ -169,8 +172,9 @@ def test_guard_bound_grows_with_the_batch(kl_clip_batch, acc_iters, manual,
             opt.update()
         else:
             opt.update(loss_fn(model), x, t)
-    bound = kl_clip if kl_clip_batch is None else \
-        kl_clip * batch / kl_clip_batch * max(batch / kl_clip_batch, 1)
+    bound = kl_clip if kl_clip_batch is None else min(
+        kl_clip * batch / kl_clip_batch * max(batch / kl_clip_batch, 1),
+        max(kl_clip, update_norm.GROWN_MAX))
     expected = min(1.0, numpy.sqrt(bound / observation['kfac/kl']))
     assert expected < 1  # the guard acts at every one of these bounds
     numpy.testing.assert_allclose(observation['kfac/update_scale'], expected,
@@ -187,7 +191,9 @@ def test_relative_bound_follows_the_smallest_kl_of_the_run():
     model = place(MLP())
     opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
                                       kl_clip_batch=None,
-                                      kl_clip_relative=relative)
+                                      kl_clip_relative=relative,
+                                      kl_clip_follows_lr=False,
+                                      step_rule='graft')
     opt.setup(model)
     smallest, scales, relaxed_bounds = numpy.inf, [], []
     for step, (lr, size) in enumerate(zip(
@@ -751,9 +757,6 @@ def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
     plain = step(0.25, 1e-4, False, 0.25)
     for a, b in zip(raised, plain):
         numpy.testing.assert_allclose(a, b, rtol=1e-12)
-    with pytest.raises(ValueError, match='kl_clip_follows_lr=True needs '
-                       'lr > 0'):
-        chainerkfac.optimizers.KFAC(lr=0.0, kl_clip_follows_lr=True)
 
 
 def test_bound_following_the_learning_rate_resumes_with_its_peak():

@@ -6,8 +6,8 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
     optimizer hooks 'pre'   e.g. WeightDecay, GradientClipping
     curvature               C <- d C + (1 - d) C_new; damped inverses when due
     precondition            V <- F̂⁻¹ ∇ for every supported link
-    step rule               V <- ρ V per link (grafting: SGD's length);
-                            the update-norm guard, if on, bounds it
+    step rule               V <- ρ V (the natural direction at the grafted
+                            step's KL change); the update-norm guard bounds it
     update rule             v <- momentum v - lr V;  w <- w + v
     optimizer hooks 'post'
 """
@@ -86,9 +86,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, kl_clip_relative=None,
-                 kl_clip_follows_lr=False, divergence='warn',
+                 kl_clip_follows_lr=True, divergence='warn',
                  max_skipped_steps=100,
-                 step_rule='graft', conv_factors='expanded',
+                 step_rule='kl_graft', conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
                  doubly_factored_from=None, **unknown):
         options.reject_unknown(unknown, type(self).__init__)

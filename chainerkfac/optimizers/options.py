@@ -84,13 +84,9 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
         positive_int(kl_clip_batch, 'kl_clip_batch')
     optimizer.kl_clip_relative = None if kl_clip_relative is None else \
         real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
-    optimizer.kl_clip_lr = None
-    if kl_clip_follows_lr:
-        if not (isinstance(reference_lr, numbers.Real) and reference_lr > 0):
-            raise ValueError('KFAC kl_clip_follows_lr=True needs lr > 0 (the '
-                             'bound is kl_clip at that learning rate), got '
-                             'lr={!r}'.format(reference_lr))
-        optimizer.kl_clip_lr = float(reference_lr)
+    # (lr itself is checked with the hyperparameters, before this.)
+    optimizer.kl_clip_lr = float(reference_lr) if kl_clip_follows_lr \
+        else None
     optimizer.max_skipped_steps = positive_int(max_skipped_steps,
                                                'max_skipped_steps')
     optimizer.use_kfac = bool(precondition)

@@ -189,8 +189,8 @@ SCHEMA = {
     # without it, so the configs do unless they set it.
     'kl_clip': (None, optional(positive)),
     # The paper's step is the natural-gradient step η F̂⁻¹∇, not the
-    # optimizer's default grafted one (chainerkfac.step_rule).
-    'step_rule': ('natural', choice('natural', 'graft')),
+    # optimizer's default (chainerkfac.step_rule).
+    'step_rule': ('natural', choice('natural', 'kl_graft', 'graft')),
     'bn_fisher': ('diagonal', choice('diagonal', 'full')),
     'inverse': ('cholesky', choice('cholesky', 'eigen')),
     'cov_ema_decay': (0.0, number(0, 1, high_open=True)),
