@@ -16,7 +16,6 @@ the flop model; then appends ``benchmarks/tuning_measurements.md``
 """
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -295,159 +294,6 @@ def _tta_entries(tta):
     return entries
 
 
-def _stale_spread(step_runs, model):
-    """How far apart the stale steps of one run lie: every stale step
-    preconditions the same blocks (subsampling only shrinks statistics),
-    so their spread is the machine's noise."""
-    entry = _reference_runs(step_runs).get(model)
-    if not entry or 'sgd' not in entry['results']:
-        return []
-    res = entry['results']
-    stale = {c: r['kinds']['stale']['median'] for c, r in res.items()
-             if 'stale' in r.get('kinds', {})}
-    if len(stale) < 2:
-        return []
-    sgd = res['sgd']['all']['median']
-    lo, hi = min(stale, key=stale.get), max(stale, key=stale.get)
-    return ['{}: the stale steps of {} do the same work, preconditioning '
-            'only; in the run the targets read their medians range from {} '
-            '(`{}`, {:.2f}x SGD) to {} (`{}`, {:.2f}x), {} timed rounds.'
-            .format(entry['info']['description'],
-                    ', '.join('`{}`'.format(c) for c in stale),
-                    harness.fmt_s(stale[lo]), lo, stale[lo] / sgd,
-                    harness.fmt_s(stale[hi]), hi, stale[hi] / sgd,
-                    entry['info']['steps']), '']
-
-
-def _stale_budget(step_runs):
-    """Where the (10, 100) step of ResNet-50 224x224 spends its time beyond
-    SGD's, from the run the targets read: the parts the amortised ratio
-    adds."""
-    entry = _reference_runs(step_runs).get('resnet50')
-    res = entry['results'] if entry else {}
-    if 'kfac_10_100' not in res or 'sgd' not in res:
-        return []
-    sgd = res['sgd']['all']['median']
-    stale = res['kfac_10_100']['stages_median'].get('stale')
-    if not stale:
-        return []
-    base = res['sgd']['stages_median']['sgd']
-    rows = [['forward, backward and update over SGD\'s',
-             sum(stale[k] - base[k] for k in ('forward', 'backward',
-                                              'update'))],
-            ['preconditioning, every step', stale['precondition']]]
-    floors = []
-    for config, label in (('kfac_1', ''),
-                          ('kfac_1_sub2', ', spatial_subsample=2'),
-                          ('kfac_1_bsub4', ', batch_subsample=4')):
-        refresh = res.get(config, {}).get('stages_median', {}).get('refresh')
-        if refresh:
-            rows.append(['factor statistics{}, every 10th step'.format(
-                label), refresh['statistics'] / 10])
-            floors.append('{:.2f}x{}'.format(
-                1 + (stale['precondition'] + refresh['statistics'] / 10)
-                / sgd, label.replace(',', ' with')))
-            if config == 'kfac_1':
-                rows.append(['inverses, every 100th step',
-                             refresh['inversion'] / 100])
-    if not floors:
-        return []
-    # Stale steps of these configurations do the same work.
-    same_work = [r['stages_median']['stale']['total']
-                 for name, r in sorted(res.items())
-                 if re.match(r'kfac_(10_100|50_50)(_b?sub\d+)*$', name)
-                 and 'stale' in r['stages_median']]
-    table = harness.table(
-        [[name, harness.fmt_s(t), '{:.3f}'.format(t / sgd)]
-         for name, t in rows],
-        ['ResNet-50 (10, 100): added per step', 'seconds', 'x SGD step'])
-    return ['Where the `kfac_10_100` step of ResNet-50 224x224 goes beyond '
-            'SGD\'s ({}), from the stage medians of the run that timed it '
-            '(the statistics and inverses are the `kfac_1` refresh '
-            'step\'s, spread over their interval):'.format(
-                harness.fmt_s(sgd)), '',
-            table, '',
-            'Preconditioning (two dense products per block, every step) '
-            'and the factor statistics every 10th step alone come to '
-            '{} SGD{}. The stale steps of the (10, 100) and (50, 50) '
-            'configurations{} do the same work; their medians range from {} '
-            'to {} ({:.2f}x SGD to {:.2f}x) in this run, which is how far '
-            'the machine\'s noise moves one measured ratio.'.format(
-                floors[0],
-                ' ({}): at these intervals, what subsampling leaves of the '
-                'statistics decides how close the step gets to SGD\'s'.format(
-                    ', '.join(floors[1:])) if floors[1:] else '',
-                ' and their subsampling variants' if floors[1:] else '',
-                harness.fmt_s(min(same_work)), harness.fmt_s(max(same_work)),
-                min(same_work) / sgd, max(same_work) / sgd), '']
-
-
-def _backward_excess(entry):
-    """How much longer the backward pass of a refresh step of ``kfac_1``
-    (hooks excluded) is than SGD's, medians."""
-    res = entry['results']
-    try:
-        return harness.fmt_s(
-            res['kfac_1']['stages_median']['refresh']['backward']
-            - res['sgd']['stages_median']['sgd']['backward'])
-    except KeyError:
-        return '-'
-
-
-def _allocator_section(step_runs):
-    """ResNet-50 224x224 with glibc's default allocator (the run the
-    targets read) beside the latest run whose glibc kept freed memory."""
-    default = _reference_runs(step_runs).get('resnet50')
-    kept = [run['models']['resnet50'] for run in step_runs
-            if _allocator(run) != 'default' and 'resnet50' in run.get(
-                'models', {})]
-    if not default or not kept:
-        return []
-    kept = kept[-1]
-    rows = []
-    for config in kept['results']:
-        a, b = default['results'].get(config), kept['results'][config]
-        if a is None:
-            continue
-        step = (lambda r: r['all']['median']) if config == 'sgd' else \
-            (lambda r: r['amortised'])
-        rows.append([config, harness.fmt_s(step(a)), harness.fmt_s(step(b)),
-                     '-' if config == 'sgd' else '{:.2f}x'.format(
-                         a['amortised_ratio']),
-                     '-' if config == 'sgd' else '{:.2f}x'.format(
-                         b['amortised_ratio'])])
-    return [
-        '## Fresh memory on this machine', '',
-        'glibc\'s malloc maps every array over 32 MiB afresh and returns it '
-        'to the system when freed, so each step faults its large arrays in '
-        'again. On this virtual machine that costs little while the kernel '
-        'still holds the pages, but memory left free for a second or more '
-        'goes back to the hypervisor (its virtio-balloon device reports '
-        'free pages), and touching it again took 80 to 150 ms per 100 MiB, '
-        'against 11 ms when reused at once (250 to 350 ms under load). '
-        'Lengthening the time alone does little: sleeping 4.5 s in SGD\'s '
-        'forward pass, spread over its convolutions, added 0.4 s to the '
-        'median of 5 backward passes. `step_time.py '
-        '--keep-freed-memory` has glibc keep freed memory in its heap '
-        '(`mallopt`: `M_MMAP_MAX` 0, `M_TRIM_THRESHOLD` 2 GiB; the same as '
-        'the environment variables `MALLOC_MMAP_MAX_=0 '
-        'MALLOC_TRIM_THRESHOLD_=2147483647`). SGD\'s step gets {:.0%} '
-        'faster. K-FAC\'s blocks keep the sums of their statistics from one '
-        'refresh to the next, as new factor-sized arrays on every refresh '
-        'also slowed the backward pass that followed (by 1.2 s, run '
-        '`step_time_resnet50_sums`); what is left of that, `kfac_1`\'s '
-        'backward over SGD\'s, is {} with the default allocator and {} '
-        'with freed memory kept. The targets read '
-        'the default allocator, as the issue measured. ResNet-50 224x224, '
-        'median step (SGD) and amortised step (K-FAC), each ratio over the '
-        'SGD step of its own run:'.format(
-            1 - kept['results']['sgd']['all']['median']
-            / default['results']['sgd']['all']['median'],
-            *(_backward_excess(e) for e in (default, kept))), '',
-        harness.table(rows, ['config', 'default', 'freed memory kept',
-                             'ratio, default', 'ratio, kept']), '']
-
-
 def _flop_section(step_runs):
     import flops
     lines = []
@@ -560,45 +406,16 @@ def write_doc(full):
     lines += _targets_section(step_runs, peer, dist, tta, shapes) + ['']
     if dist:
         lines += [
-            'Load imbalance: with one owner per block, the largest block '
-            '(a res5 3x3 convolution, whose 4608 x 4608 A factor is almost a '
-            'fifth of all the inversion and preconditioning work) is a floor '
-            'from 8 ranks on (1.25 to 1.47 at 8 ranks, 10 to 12 at 64). The '
-            'assignment therefore splits the preconditioning of large '
-            'Kronecker blocks over several ranks, by rows or columns of '
-            'G⁻¹∇W̄A⁻¹, until the imbalance reaches 1.10; the owner still '
-            'refreshes the block and sends the other ranks what they need: '
-            'slices of explicit inverses, or, when inverses serve few steps, '
-            'the larger factor\'s Cholesky factor and slices of the smaller '
-            'inverse, so that no rank forms the larger inverse. That '
-            'Cholesky factor was the one piece no split shrinks: every 10 '
-            'steps it held 32 ranks to 1.11 and 64 ranks to 2.23, and '
-            'every step nothing was split at all. The ranks of such a '
-            'block now compute it together, from 1024 rows on (smaller '
-            'factors gain nothing from it; ResNet-50\'s split blocks all '
-            'have a larger factor of 2048 or more) (chainerkfac.distributed.'
-            'cholesky: column panels dealt out round-robin, each factored '
-            'by its rank and sent to the others of the block, which '
-            'subtract it from their panels to the right), so each pays '
-            'about 1/k of the d³/3 at the speed of a matrix product; '
-            'measured, two ranks factor a 4608 x 4608 factor in {} of the '
-            'time of LAPACK\'s potrf on one, where the model counts 0.5x. '
-            'With that, the split meets '
-            '1.10 at 8 to 64 ranks with inverses every step, every 10 and '
-            'every 100 steps (largest: {:.2f}). The cost model counts '
-            'operations, not the latency of the one message per panel and '
-            'rank, which shows at small factors. Splitting costs bytes: '
-            'every rank of a split block receives its whole gradient in the '
-            'reduce-scatter-v, what the parts need travels in an '
-            'all-to-all-v when the owner refreshes the block, and the '
-            'panels of a shared factorization once to every other rank of '
-            'the block (see the Distributed section for a measured '
-            'run).'.format(_shared_ratio(dist, 4608), max(
+            'Load imbalance (how the assignment splits large blocks: '
+            '[design](design.md)): the split meets 1.10 at 8 to 64 ranks '
+            'with inverses every step, every 10 and every 100 steps '
+            '(largest: {:.2f}); two ranks factor a 4608 x 4608 factor '
+            'together in {} of the time of LAPACK\'s potrf on one, where '
+            'the cost model counts 0.5x.'.format(max(
                 cell['split'] for key, cell in
                 dist['imbalance']['table'].items()
-                if int(key.split('@')[1]) in (8, 16, 32, 64))), '']
-    lines += _stale_budget(step_runs)
-    lines += _stale_spread(step_runs, 'resnet50_w4')
+                if int(key.split('@')[1]) in (8, 16, 32, 64)),
+                _shared_ratio(dist, 4608)), '']
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
                   'Command: `{}`'.format(command_of('step_time', step)), '',
@@ -641,7 +458,6 @@ def write_doc(full):
                                         entry['results'],
                                         list(entry['results']))
                 lines += [text.replace('### ', '#### ', 1), '']
-    lines += _allocator_section(step_runs)
     lines += ['## Flop model, updated', '']
     lines += _flop_section(step_runs)
     if peer:
