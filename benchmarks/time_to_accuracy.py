@@ -142,7 +142,11 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 
 #: Optimizers that can be compared (``--optimizers``); every one but
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
-OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
+OPTIMIZERS = {'sgd': {}, 'kfac': {},
+              # The defaults before kl_graft, at --kfac-intervals.
+              'kfac_graft': {'step_rule': 'graft',
+                             'kl_clip_follows_lr': False},
+              'kfac_sub2': {'spatial_subsample': 2},
               'kfac_bsub4': {'batch_subsample': 4},
               # Factor intervals adapted to how fast the factors change
               # (inverses follow them), instead of --kfac-intervals.
@@ -150,12 +154,11 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {}, 'kfac_sub2': {'spatial_subsample': 2},
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
               # The defaults before kl_graft: the grafted step under a
-              # fixed bound, 0.01 (B / 64)² then, whole here at batch 512.
+              # fixed bound (the same bound up to batch 512).
               'kfac_adaptive_graft': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'graft',
-                  'kl_clip_follows_lr': False, 'kl_clip': 0.64,
-                  'kl_clip_batch': None},
+                  'kl_clip_follows_lr': False},
               # The grafted step with a looser safety bound (grown like
               # B² above batch 64 when measured).
               'kfac_adaptive_kl0.1': {
