@@ -40,7 +40,7 @@ before each step, so that a bound step shortens with the learning rate
 as it decays). The K-FAC rows below them are the natural step
 (``step_rule='natural'``), the default before grafting. Every row but
 ``kfac_kl_graft`` keeps the bound as the library grew it when the row was
-measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``bound_at``).
+measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -167,15 +167,17 @@ NATURAL_KL_CLIP = 1e-4
 GRAFT_KL_CLIP = 1e-2
 
 
-def bound_at(name, kl_clip, batch):
-    """``(kl_clip, kl_clip_batch)`` to build row ``name``'s K-FAC with at
-    global batch ``batch``. Every row but the defaults' (``kfac_kl_graft``)
-    keeps the bound as the library grew it when the row was measured:
-    ``kl_clip`` at batch 64 and ``(B / 64)²`` times that above, without the
-    default's cap (``update_norm.GROWN_MAX``)."""
+def guard_options(name, kl_clip, batch):
+    """The update-norm guard's options of row ``name``'s K-FAC at global
+    batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) keeps
+    the bound as the library had it when the row was measured: fixed (the
+    schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
+    ``(B / 64)²`` times that above, without the default's cap
+    (``update_norm.GROWN_MAX``)."""
     if name == 'kfac_kl_graft' or kl_clip is None:
-        return kl_clip, 64
-    return kl_clip * max(batch / 64, 1) * batch / 64, None
+        return {'kl_clip': kl_clip}
+    return {'kl_clip': kl_clip * max(batch / 64, 1) * batch / 64,
+            'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
 
 _DATA = {}
@@ -224,16 +226,15 @@ def train(spec, decays=()):
     options = OPTIMIZERS[name]
     if options is not None and callable(options.get('step_rule')):
         options = dict(options, step_rule=options['step_rule']())
+    # The bound the optimizer gets; the run records the spec's kl_clip.
+    bound = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
-        kl_clip, kl_clip_batch = bound_at(name, kl_clip, batch)
-        if name != 'kfac_kl_graft':
-            # The schedule moves these rows' bounds from here, if at all.
-            options = dict(options, kl_clip_follows_lr=False)
-        optimizer = chainerkfac.optimizers.KFAC(
-            lr=lr, momentum=0.9, kl_clip=kl_clip,
-            kl_clip_batch=kl_clip_batch, **options)
+        guard = guard_options(name, kl_clip, batch)
+        bound = guard['kl_clip']
+        optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
+                                                **dict(options, **guard))
     # The quadratic model's step needs update(classifier, x, t).
     net = chainer.links.Classifier(model) if options is not None and \
         optimizer.step_rule.chooses_update else model
@@ -254,10 +255,10 @@ def train(spec, decays=()):
             idx = order[k * batch:(k + 1) * batch]
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
-            if kl_clip is not None and name not in SWAPS:
-                optimizer.kl_clip = kl_clip * factor * factor
+            if bound is not None and name not in SWAPS:
+                optimizer.kl_clip = bound * factor * factor
             elif name == 'kfac_graft_decay' and it >= warmup:
-                optimizer.kl_clip = kl_clip * factor * factor
+                optimizer.kl_clip = bound * factor * factor
             observation = {}
             try:
                 with reporter.scope(observation):

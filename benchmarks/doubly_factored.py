@@ -64,12 +64,12 @@ import shapes
 OUT = 'doubly_factored.json'
 WIDTH = 8192
 #: name -> K-FAC options (None: MomentumSGD).
-#: The defaults before kl_graft: the grafted step under a fixed bound.
-GRAFT = {'step_rule': 'graft', 'kl_clip_follows_lr': False}
-OPTIMIZERS = {'sgd': None, 'kfac': GRAFT,
-              'kfac_doubly': dict(GRAFT, doubly_factored_from=WIDTH),
+OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
+              'kfac_doubly': dict(harness.GRAFTED,
+                                  doubly_factored_from=WIDTH),
               # The guard's bound relative to the run's own steps.
-              'kfac_doubly_rel10': dict(GRAFT, doubly_factored_from=WIDTH,
+              'kfac_doubly_rel10': dict(harness.GRAFTED,
+                                        doubly_factored_from=WIDTH,
                                         kl_clip_relative=10),
               # The defaults: the natural direction at the grafted step's
               # KL change, the bound following the schedule.

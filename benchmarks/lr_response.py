@@ -32,7 +32,7 @@ OPTIMIZERS = {
     'momentum_sgd': None,
     'kfac': {},
     # The defaults before kl_graft.
-    'kfac_graft': {'step_rule': 'graft', 'kl_clip_follows_lr': False},
+    'kfac_graft': harness.GRAFTED,
     'kfac_natural_kl1e-4': {'step_rule': 'natural', 'kl_clip': 1e-4},
 }
 

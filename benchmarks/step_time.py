@@ -86,8 +86,8 @@ CONFIGS = {
     'kfac_10_100_graft': (
         'K-FAC, factors every 10, inverses every 100, the grafted step '
         'under a fixed bound (the default before kl_graft)',
-        _kfac(factor_interval=10, inverse_interval=100, step_rule='graft',
-              kl_clip_follows_lr=False), None),
+        _kfac(factor_interval=10, inverse_interval=100, **harness.GRAFTED),
+        None),
     'kfac_adaptive_delay3': (
         'K-FAC, Adaptive() factors, inverses when changed, built in the '
         'background and used 3 steps later (inverse_delay=3)',

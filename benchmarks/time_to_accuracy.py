@@ -144,8 +144,7 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
 OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # The defaults before kl_graft, at --kfac-intervals.
-              'kfac_graft': {'step_rule': 'graft',
-                             'kl_clip_follows_lr': False},
+              'kfac_graft': harness.GRAFTED,
               'kfac_sub2': {'spatial_subsample': 2},
               'kfac_bsub4': {'batch_subsample': 4},
               # Factor intervals adapted to how fast the factors change
@@ -155,16 +154,15 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'inverse_interval': 1},
               # The defaults before kl_graft: the grafted step under a
               # fixed bound (the same bound up to batch 512).
-              'kfac_adaptive_graft': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'graft',
-                  'kl_clip_follows_lr': False},
+              'kfac_adaptive_graft': dict(
+                  harness.GRAFTED,
+                  factor_interval=chainerkfac.schedules.Adaptive(),
+                  inverse_interval=1),
               # The grafted step with a looser safety bound (grown like
               # B² above batch 64 when measured).
               'kfac_adaptive_kl0.1': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip': 0.1,
-                  'step_rule': 'graft', 'kl_clip_follows_lr': False},
+                  'inverse_interval': 1, 'kl_clip': 0.1, **harness.GRAFTED},
               # The defaults before grafting: the natural step under the
               # update-norm guard's bound of 1e-4.
               'kfac_adaptive_natural': {
@@ -177,7 +175,7 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive_rel10': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'kl_clip_relative': 10,
-                  'step_rule': 'graft', 'kl_clip_follows_lr': False},
+                  **harness.GRAFTED},
               # The natural direction at the grafted step's KL change, the
               # bound following the learning rate's schedule (the defaults
               # but the bound, grown like B² when measured).
