@@ -31,13 +31,9 @@ best base learning rate, and ``kfac_at_sgd_lr``, the best of K-FAC's
 natural-step grid (below) at that learning rate: the step
 ``KFAC(lr, momentum, step_rule='natural', factor_interval=1,
 kl_clip_follows_lr=True)`` takes, whose bound follows the schedule's square
-as the grid's does. ``--graft-relative LRS`` adds the same with the
-guard's bound relative to the run's own steps (``kfac_graft_rel10``:
-``kl_clip_relative=10``); ``--graft-decay LRS`` the same with the bound
-falling with the square of the schedule's factor after the warm-up
-(``kfac_graft_decay``: ``kl_clip`` set to ``κ · factor²`` from outside
-before each step, so that a bound step shortens with the learning rate
-as it decays). The K-FAC rows below them are the natural step
+as the grid's does. ``--reference LRS`` adds K-FAC tuned by hand
+(``kfac_reference``: the natural step, damping 1e-3, factors every step,
+no guard). The K-FAC rows below them are the natural step
 (``step_rule='natural'``), the default before grafting. Every row but
 ``kfac_kl_graft`` keeps the bound as the library grew it when the row was
 measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
@@ -50,11 +46,6 @@ schedule is applied and ignored) and no guard. ``kfac_quadratic_model_floor``
 is the same with the damping kept at 1e-3 or more. A run that blows up
 (``NonFiniteError``) ends at that epoch.
 
-``--swap`` adds the one-line swap as it was before grafting:
-``KFAC(lr, momentum, step_rule='natural')`` at the bound of then (1e-4),
-which is left alone while the learning rate follows the schedule
-(factors every step; ``--swap-stale``: every 10 steps and inverses every
-100, and adaptive intervals).
 After the grid, K-FAC's best base learning rate at each batch also runs
 with stale curvature (``--stale``): factors/inverses every 10/100 and every
 50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
@@ -100,10 +91,6 @@ OPTIMIZERS = {
     # as MomentumSGD's per layer (step_rule 'graft'), the bound fixed at
     # GRAFT_KL_CLIP.
     'kfac_graft': {'step_rule': 'graft'},
-    # The same with the bound relative to the run's own steps.
-    'kfac_graft_rel10': {'step_rule': 'graft', 'kl_clip_relative': 10},
-    # The same with the bound following the decay (not the warm-up).
-    'kfac_graft_decay': {'step_rule': 'graft'},
     # The one-line swap: KFAC(lr, momentum) at the defaults, the natural
     # direction at the grafted step's KL change, the bound following the
     # schedule and growing like B.
@@ -117,15 +104,10 @@ OPTIMIZERS = {
                    'step_rule': 'natural'},
     'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
                       'inverse_interval': 1, 'step_rule': 'natural'},
-    # The one-line swap before grafting, KFAC(lr, momentum) under the same
-    # learning-rate schedule, its bound at that default (NATURAL_KL_CLIP)
-    # and left alone (every other natural K-FAC run scales the bound with
-    # the schedule's squared factor): with factors every step, every 10
-    # steps and inverses every 100, and adaptive intervals.
-    'kfac_swap': {'factor_interval': 1, 'step_rule': 'natural'},
-    'kfac_swap_10_100': {'factor_interval': 10, 'inverse_interval': 100,
-                         'step_rule': 'natural'},
-    'kfac_swap_adaptive': {'step_rule': 'natural'},
+    # K-FAC tuned by hand: the natural step, damping 1e-3,
+    # factors every step, no guard.
+    'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
+                       'damping': 1e-3},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -137,32 +119,21 @@ OPTIMIZERS = {
             min_damping=1e-3)},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
-SWAPS = ('kfac_graft', 'kfac_swap', 'kfac_swap_10_100',
-         'kfac_swap_adaptive', 'kfac_graft_rel10', 'kfac_graft_decay',
-         'kfac_kl_graft')
+SWAPS = ('kfac_graft', 'kfac_kl_graft')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
-#: The rows of the report: ``kfac_default`` is the best of the natural
-#: step's runs at its default bound (scheduled), ``kfac_graft_at_sgd_lr``
-#: the one-line swap at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
+#: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
+#: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
 #: the natural step's grid there.
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
-        'kfac',
-        'kfac_default', 'kfac_swap', 'kfac_swap_10_100',
-        'kfac_swap_adaptive') + STALE + ('kfac_graft_rel10',
-                                         'kfac_graft_decay',
-                                         'kfac_kl_graft',
-                                         'kfac_quadratic_model',
-                                         'kfac_quadratic_model_floor')
+        'kfac') + STALE + ('kfac_kl_graft', 'kfac_quadratic_model',
+                           'kfac_quadratic_model_floor', 'kfac_reference')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
-                          'tab:red',
-                          'tab:gray', 'tab:brown', 'tab:olive', 'tab:pink',
-                          'tab:orange', 'tab:green', 'tab:purple', 'gold',
-                          'magenta', 'darkred', 'salmon', 'teal')))
+                          'tab:red', 'tab:orange', 'tab:green',
+                          'tab:purple', 'magenta', 'darkred', 'salmon',
+                          'navy')))
 assert len(COLOURS) == len(ROWS)
-#: The update-norm guard's bound of the one-line swap before grafting.
-NATURAL_KL_CLIP = 1e-4
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
 
@@ -256,8 +227,6 @@ def train(spec, decays=()):
             factor = schedule_factor(it, total, warmup)
             optimizer.lr = lr * factor
             if bound is not None and name not in SWAPS:
-                optimizer.kl_clip = bound * factor * factor
-            elif name == 'kfac_graft_decay' and it >= warmup:
                 optimizer.kl_clip = bound * factor * factor
             observation = {}
             try:
@@ -357,9 +326,6 @@ def summarise(runs):
     best = {}
     for (batch, name, setting), group in groups.items():
         final = numpy.mean([g['curve'][-1]['val_accuracy'] for g in group])
-        if name == 'kfac' and setting[1] == NATURAL_KL_CLIP:
-            # Also the best of K-FAC as the one-line swap gives it.
-            _keep_best(best, (batch, 'kfac_default'), setting, group, final)
         _keep_best(best, (batch, name), setting, group, final)
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
@@ -391,7 +357,7 @@ def summarise(runs):
             if b != batch:
                 continue
             reached = [_to_target(r, target) for r in entry['runs']]
-            kind = {'kfac_default': 'kfac', 'kfac_at_sgd_lr': 'kfac',
+            kind = {'kfac_at_sgd_lr': 'kfac',
                     'kfac_graft_at_sgd_lr': 'kfac_graft'}.get(name, name)
             rows[name] = {
                 'setting': _setting_text(entry['setting']),
@@ -401,8 +367,6 @@ def summarise(runs):
                              groups, key=lambda k: (k[0], k[1], k[2][0],
                                                     k[2][1] or 0))
                          if bb == batch and n == kind and (
-                             name != 'kfac_default'
-                             or st[1] == NATURAL_KL_CLIP) and (
                              name != 'kfac_graft_at_sgd_lr'
                              or st == entry['setting']) and (
                              name != 'kfac_at_sgd_lr'
@@ -552,27 +516,16 @@ def main(argv=None):
     parser.add_argument('--stale', action='store_true',
                         help='also the stale schedules at K-FAC\'s best '
                         'setting')
-    parser.add_argument('--swap', action='store_true',
-                        help='also the one-line swap before grafting '
-                        '(kfac_swap) at each batch, at the first --lrs-kfac')
-    parser.add_argument('--swap-stale', action='store_true',
-                        help='also the one-line swap with stale curvature: '
-                        'factors every 10 steps and inverses every 100 '
-                        '(kfac_swap_10_100), adaptive intervals '
-                        '(kfac_swap_adaptive)')
     parser.add_argument('--graft', default=None,
                         help='base lrs of the grafted step, the defaults '
                         'before kl_graft (kfac_graft), e.g. MomentumSGD\'s '
                         'grid')
-    parser.add_argument('--graft-relative', default=None,
-                        help='base lrs of the grafted step with '
-                        'kl_clip_relative=10 (kfac_graft_rel10)')
-    parser.add_argument('--graft-decay', default=None,
-                        help='base lrs of the grafted step with the bound '
-                        'following the decay (kfac_graft_decay)')
     parser.add_argument('--kl-graft', default=None,
                         help='base lrs of the one-line swap at the '
                         'defaults (kfac_kl_graft)')
+    parser.add_argument('--reference', default=None,
+                        help='base lrs of the natural step, damping 1e-3, '
+                        'factors every step, no guard (kfac_reference)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -616,15 +569,6 @@ def main(argv=None):
             lr, kl = best[(batch, 'kfac')]['setting']
             specs += [(name, lr, kl, batch, seed, args.epochs, args.warmup)
                       for seed in range(args.seeds) for name in STALE]
-    if args.swap or args.swap_stale:
-        lr = float(args.lrs_kfac.split(',')[0])
-        names = (['kfac_swap'] if args.swap else []) + (
-            ['kfac_swap_10_100', 'kfac_swap_adaptive'] if args.swap_stale
-            else [])
-        specs += [(name, lr, NATURAL_KL_CLIP, batch, seed, args.epochs,
-                   args.warmup)
-                  for seed in range(args.seeds) for batch in batches
-                  for name in names]
     if args.graft:
         bounds = {'default': GRAFT_KL_CLIP, 'none': None}
         specs += [('kfac_graft', float(lr), bounds[kl] if kl in bounds
@@ -638,8 +582,7 @@ def main(argv=None):
                   for name in ('kfac_quadratic_model',
                                'kfac_quadratic_model_floor')]
     for name, lrs, bound in (
-            ('kfac_graft_rel10', args.graft_relative, GRAFT_KL_CLIP),
-            ('kfac_graft_decay', args.graft_decay, GRAFT_KL_CLIP),
+            ('kfac_reference', args.reference, None),
             ('kfac_kl_graft', args.kl_graft,
              chainerkfac.optimizers.KFAC().kl_clip)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,

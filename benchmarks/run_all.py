@@ -4,14 +4,14 @@
     PYTHONPATH=. .venv/bin/python benchmarks/run_all.py --full     # hours
     PYTHONPATH=. .venv/bin/python benchmarks/run_all.py --docs-only
 
-Runs ``step_time``, ``time_to_accuracy``, ``distributed`` and ``peer`` one
-after another (each writes its JSON under ``benchmarks/results/``: the
+Runs ``step_time``, ``time_to_accuracy`` and ``distributed`` one after
+another (each writes its JSON under ``benchmarks/results/``: the
 first two their default variant), then rewrites ``docs/benchmarks.md``
 from those JSON files and the other variants of ``step_time.json`` and
 ``time_to_accuracy.json``: the tables, the plots (copied to
-``docs/benchmarks_figures/``, which keeps no other), the exact commands and
-the flop model; then appends ``benchmarks/tuning_measurements.md``
-(measurements run by hand, written with links relative to ``docs/``).
+``docs/benchmarks_figures/``, which keeps no other) and the exact
+commands; then appends ``benchmarks/tuning_measurements.md`` (measurements
+run by hand, written with links relative to ``docs/``).
 ``--skip NAME,...`` keeps a script's previous JSON.
 """
 import argparse
@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 
 import harness  # NOQA: E402  (imports chainerkfac first)
 
-SCRIPTS = ('step_time', 'time_to_accuracy', 'distributed', 'peer')
+SCRIPTS = ('step_time', 'time_to_accuracy', 'distributed')
 PREFIX = 'PYTHONPATH=. .venv/bin/python benchmarks/'
 DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
 FIGURES = os.path.join(ROOT, 'docs', 'benchmarks_figures')
@@ -129,240 +129,9 @@ def _env_line(payload):
                 env.get('python'), env.get('numpy'), env.get('chainer'),
                 env.get('cpus'), threads or 'BLAS unknown',
                 ', '.join('{:.1f}'.format(v) for v in load_avg)
-                if load_avg else 'unknown', _allocator(payload),
+                if load_avg else 'unknown',
+                env.get('allocator', {}).get('glibc', 'default'),
                 '; code at commit {}'.format(commit) if commit else ''))
-
-
-#: The peer figures the issue quotes (kfac-pytorch/KAISA on this machine).
-KAISA = {('resnet50', 'kfac_1'): 5.95, ('resnet50', 'kfac_10_100'): 1.36,
-         ('small_cnn', 'kfac_10_100'): 1.20}
-
-#: Step-time targets of issue #5: configuration -> largest KFAC/SGD ratio.
-STEP_TARGETS = {'kfac_10_100': 1.10, 'kfac_50_50': 1.10, 'kfac_1': 1.8}
-
-
-def _ratio(entry, config):
-    res = (entry or {}).get('results', {}).get(config)
-    return None if not res else res.get('amortised_ratio')
-
-
-def _verdict(ok):
-    return '-' if ok is None else ('yes' if ok else '**no**')
-
-
-def _allocator(run):
-    return run.get('environment', {}).get('allocator', {}).get(
-        'glibc', 'default')
-
-
-def _reference_runs(step_runs):
-    """model -> the entry the targets read: of the runs with glibc's
-    default allocator (as the issue measured), the one with the most timed
-    rounds."""
-    models = {}
-    for run in step_runs:
-        if _allocator(run) != 'default':
-            continue
-        for model, entry in run.get('models', {}).items():
-            if entry['info']['steps'] > models.get(
-                    model, {'info': {'steps': 0}})['info']['steps']:
-                models[model] = entry
-    return models
-
-
-def _shared_ratio(dist, dim):
-    """'0.56x' (shared over alone) for a factor of ``dim`` in the
-    distributed run's factorization timing, or 'an unmeasured fraction'."""
-    for row in dist.get('factorization', {}).get('results', []):
-        if row['dim'] == dim:
-            return '{:.2f}x'.format(row['shared'] / row['alone'])
-    return 'an unmeasured fraction'
-
-
-def _targets_section(step_runs, peer, dist, tta, shapes):
-    """One row per target of issue #5, measured values from the JSON; then
-    the sub-sampling levers' rows, held to the same bars for reference."""
-    rows, levers = [], []
-    models = _reference_runs(step_runs)
-    for model in ('resnet50', 'resnet50_w4'):
-        for config, limit in STEP_TARGETS.items():
-            # The subsampling variants, where they ran, beside the
-            # configuration the target names.
-            for name in (config, config + '_sub2', config + '_bsub4'):
-                r = _ratio(models.get(model), name)
-                if r is None and name != config:
-                    continue
-                (rows if name == config else levers).append([
-                    '{} step time, {}'.format(model, name),
-                    '<= {:.2f}x SGD'.format(limit),
-                    '-' if r is None else '{:.2f}x'.format(r),
-                    _verdict(None if r is None else r <= limit)])
-    if dist:
-        for stage, kind in (('inversion', 'refresh'),
-                            ('precondition', 'stale')):
-            one = dist['mpi'].get('1', {}).get('summary', {}).get(kind, {})
-            two = dist['mpi'].get('2', {}).get('summary', {}).get(kind, {})
-            if stage in one and stage in two:
-                a, b = one[stage]['max'], two[stage]['max']
-                rows.append(['-n 2 per-rank {} ({} step, {})'.format(
-                    stage, kind, dist['model']), 'halves (<= 0.55x -n 1)',
-                    '{} -> {} ({:.2f}x)'.format(harness.fmt_s(a),
-                                                harness.fmt_s(b), b / a),
-                    _verdict(b / a <= 0.55)])
-    peers = {}
-    for model, entry in (peer or {}).get('models', {}).items():
-        for config, res in entry.get('results', {}).items():
-            if config != 'sgd' and res.get('amortised_ratio'):
-                peers[(model, config)] = ('kfac-jax',
-                                          res['amortised_ratio'])
-    for key, value in KAISA.items():
-        peers.setdefault(key, ('KAISA (issue)', value))
-        if key in peers and peers[key][0] != 'KAISA (issue)':
-            peers[key + ('kaisa',)] = ('KAISA (issue)', value)
-    for key, (who, theirs) in sorted(peers.items()):
-        ours = _ratio(models.get(key[0]), key[1])
-        rows.append(['{} {}: ours vs {}'.format(key[0], key[1], who),
-                     'below the peer',
-                     '-' if ours is None else '{:.2f}x vs {:.2f}x'.format(
-                         ours, theirs),
-                     _verdict(None if ours is None else ours < theirs)])
-    if tta:
-        import time_to_accuracy
-    for task, entry, names, source in _tta_entries(tta):
-        large = max(entry['batches'])
-        _, best = time_to_accuracy.best_of(entry)
-        for name in sorted(o for b, o in best if b == large and o in names):
-            label = '{} batch {}: {} iterations to {:.0%}{}'.format(
-                task, large, name, entry['target'],
-                '' if source is None else ' (variant {})'.format(source))
-            r = time_to_accuracy.ratios(best, large, name)
-            into = rows if name in ('kfac', 'kfac_adaptive') else levers
-            if r is None:
-                into.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
-                             'K-FAC missed the target', '**no**'])
-                continue
-            bound = '< ' if r[2] else ''
-            into.append([label, 'KFAC <= 0.5x SGD, wall-clock < 1x',
-                         '{0}{1:.2f}x, wall-clock {0}{2:.2f}x'.format(
-                             bound, *r[:2]),
-                         _verdict(r[0] <= 0.5 and r[1] < 1)])
-    rows += _shapes_targets(shapes)
-    if dist:
-        table = dist['imbalance']['table']
-        for fraction, when in (('0.01', 'inverses every 100 steps'),
-                               ('0.1', 'inverses every 10 steps'),
-                               ('1.0', 'inverses every step')):
-            for ranks in (8, 16, 32, 64):
-                cell = table.get('{}@{}'.format(fraction, ranks))
-                if cell and 'split' in cell:
-                    rows.append([
-                        'ResNet-50 load imbalance, {} ranks, {}'.format(
-                            ranks, when), '<= 1.10',
-                        '{:.2f} (one owner {:.2f}, split floor {:.2f})'
-                        .format(cell['split'], cell['cost_model'],
-                                cell['split_floor']),
-                        _verdict(cell['split'] <= 1.10)])
-    header = ['target', 'wanted', 'measured', 'met']
-    out = [harness.table(rows, header)]
-    if levers:
-        out += ['', 'The sub-sampling levers of the issue (statistics from '
-                'every second output row and column of a convolution, '
-                '`_sub2`, '
-                'or a quarter of the samples, '
-                '`_bsub4`; options whose cost and accuracy effect the issue '
-                'asks to measure, not targets), held to the same bars:', '',
-                harness.table(levers, ['lever'] + header[1:])]
-    return out
-
-
-def _tta_entries(tta):
-    """``(task, entry, K-FAC optimizers, source)`` of the default variant of
-    ``time_to_accuracy.json`` (source ``None``) and, for the optimizers it
-    lacks, of its other variants (source their name)."""
-    if not tta:
-        return []
-    import time_to_accuracy
-    entries = [(task, entry, set(time_to_accuracy.OPTIMIZERS) - {'sgd'},
-                None) for task, entry in tta['tasks'].items()]
-    for name, run in other_variants('time_to_accuracy').items():
-        for task, entry in run['tasks'].items():
-            main = tta['tasks'].get(task)
-            known = {o for _, o in time_to_accuracy.best_of(main)[1]} \
-                if main else set()
-            entries.append((task, entry, set(time_to_accuracy.OPTIMIZERS)
-                            - known - {'sgd'}, name))
-    return entries
-
-
-def _flop_section(step_runs):
-    import flops
-    lines = []
-    m = flops.flop_model('resnet50', 32)
-    lines += ['Counted from the layer shapes of ResNet-50 at 224x224, '
-              'batch 32 (`benchmarks/flops.py`): forward+backward {:.0f} '
-              'GFLOP (convolutions and the classifier; the issue\'s 785 '
-              'also counted BatchNorm).'.format(m['forward_backward_gflop']),
-              '']
-    rows = [[k, '{:.2f}'.format(v)] for k, v in m['relative'].items()]
-    lines.append(harness.table(rows, ['work per step', 'x forward+backward']))
-    lines += ['', 'The issue counted the inverses as 0.19: `potrf` alone '
-              '(d^3/3); `potrf` + `potri` is d^3. NumPy runs `P.T @ P` and '
-              '`Q @ Q.T` as `syrk`, so the A and G factors cost half their '
-              'GEMM count. As computed, the A factors of stride-1 3x3 '
-              'convolutions on 14x14 inputs and larger come from shifted '
-              'products (`convolution_2d.shifted_gram`), which the row "as '
-              'computed" counts.', '']
-    inv = load('flops')
-    if inv:
-        lines += ['Batching small inversions (a lever the issue lists): of '
-                  'the {} Kronecker factors of {}, the {} of dimension {} or '
-                  'less take {} together, against {} for all explicit '
-                  'inverses (one float32 factor of each size timed, best of '
-                  '3: `{}flops.py --inversions`). One batched call could save '
-                  'at most those {}, so every factor keeps its own LAPACK '
-                  'call on the CPU. On a GPU, where every call also pays a '
-                  'launch, batching may pay; not measured here.'.format(
-                      inv['factors'], inv['model'], inv['small_factors'],
-                      inv['small_max_dim'],
-                      harness.fmt_s(inv['small_seconds']),
-                      harness.fmt_s(inv['total_seconds']), PREFIX,
-                      harness.fmt_s(inv['small_seconds'])), '']
-    measured = []
-    for run, model, entry in [(run,) + item for run in step_runs
-                              for item in run.get('models', {}).items()]:
-        res = entry['results']
-        sgd = res.get('sgd', {}).get('stages', {}).get('sgd')
-        ref = res.get('kfac_1', {}).get('fine', {}).get('refresh')
-        if not sgd or not ref:
-            continue
-        # Runs timed before the library's timing hook named the stages
-        # after the methods the benchmarks wrapped.
-        ref = {_LEGACY_STAGES.get(k, k): v for k, v in ref.items()}
-        fb = sgd['forward'] + sgd['backward']
-        measured.append([
-            model if _allocator(run) == 'default'
-            else model + ' (malloc keeps freed memory)', harness.fmt_s(fb),
-            '{:.2f}'.format(ref.get('statistics_forward', 0) / fb),
-            '{:.2f}'.format(ref.get('statistics_backward', 0) / fb),
-            '{:.2f}'.format((ref.get('statistics_fold', 0)
-                             + ref.get('factor_update', 0)) / fb),
-            '{:.2f}'.format(ref.get('inversion', 0) / fb),
-            '{:.2f}'.format(ref.get('precondition', 0) / fb)])
-    if measured:
-        lines += ['Measured (mean seconds of `kfac_1` stages over the SGD '
-                  'step\'s forward+backward, same run):', '']
-        lines.append(harness.table(measured, [
-            'model', 'SGD forward+backward', 'A statistics (hooks, '
-            'forward)', 'G and BatchNorm statistics (hooks, backward)',
-            'folding (mean, EMA, checks)', 'inverses', 'preconditioning']))
-        lines.append('')
-    return lines
-
-
-#: Stage names of runs before :mod:`chainerkfac.timing` -> its names.
-_LEGACY_STAGES = {'stats_forward': 'statistics_forward',
-                  'stats_backward': 'statistics_backward',
-                  'stats_take': 'statistics_fold'}
 
 
 def write_doc(full):
@@ -370,7 +139,6 @@ def write_doc(full):
     tta = harness.read_variant('time_to_accuracy')
     shapes = harness.read_variant('compare_shapes')
     dist = load('distributed')
-    peer = load('peer')
     os.makedirs(FIGURES, exist_ok=True)
     cmds = commands(full)
     lines = [
@@ -397,25 +165,6 @@ def write_doc(full):
         '',
     ]
     extra = other_variants('step_time')
-    step_runs = [run for run in [step] + list(extra.values()) if run]
-    lines += ['## Targets', '',
-              'Each row reads the JSON of the section that measured it '
-              '(step-time ratios are amortised over the schedule, see '
-              'below, from the run of each model with the most timed '
-              'rounds under glibc\'s default allocator).', '']
-    lines += _targets_section(step_runs, peer, dist, tta, shapes) + ['']
-    if dist:
-        lines += [
-            'Load imbalance (how the assignment splits large blocks: '
-            '[design](design.md)): the split meets 1.10 at 8 to 64 ranks '
-            'with inverses every step, every 10 and every 100 steps '
-            '(largest: {:.2f}); two ranks factor a 4608 x 4608 factor '
-            'together in {} of the time of LAPACK\'s potrf on one, where '
-            'the cost model counts 0.5x.'.format(max(
-                cell['split'] for key, cell in
-                dist['imbalance']['table'].items()
-                if int(key.split('@')[1]) in (8, 16, 32, 64)),
-                _shared_ratio(dist, 4608)), '']
     if step:
         lines += ['## Step time: K-FAC against MomentumSGD', '',
                   'Command: `{}`'.format(command_of('step_time', step)), '',
@@ -458,38 +207,6 @@ def write_doc(full):
                                         entry['results'],
                                         list(entry['results']))
                 lines += [text.replace('### ', '#### ', 1), '']
-    lines += ['## Flop model, updated', '']
-    lines += _flop_section(step_runs)
-    if peer:
-        lines += ['## Peer: kfac-jax', '',
-                  'Command: `{}`'.format(command_of('peer', peer)), '',
-                  'kfac-jax in its own environment (`benchmarks/.venv-peer`,'
-                  ' created by `benchmarks/peer.py`; never a dependency of '
-                  'the library), JAX on the CPU, the same models and '
-                  'batches, jitted steps. Compare its KFAC/SGD ratios with '
-                  'ours above (each against its own framework\'s SGD).', '']
-        cnn = peer.get('models', {}).get('small_cnn', {}).get(
-            'results', {}).get('kfac_1')
-        if cnn:
-            lines += [
-                'Not on ResNet-50 (either size): on this CPU kfac-jax took '
-                '{} to compile and run its first K-FAC step of the small CNN '
-                '(3 convolutions) and {} a refresh step, and ResNet-50 has '
-                '53 convolutions on larger inputs. The ResNet-50 rows of '
-                'the targets compare with the KAISA figures of the issue '
-                'instead, measured on this machine; ResNet-50 width/4 has '
-                'no peer figure.'.format(
-                    harness.fmt_s(cnn['compile_and_first_step']),
-                    harness.fmt_s(cnn['amortised'])), '']
-        if payload_error(peer):
-            lines += ['The peer could not run: `{}`'.format(
-                payload_error(peer)), '']
-        for model, entry in peer.get('models', {}).items():
-            if 'table' in entry:
-                lines += [entry['table'], '']
-            else:
-                lines += ['{}: failed: `{}`'.format(
-                    model, entry.get('error', '?')[-300:]), '']
     if tta:
         lines += ['## Time to accuracy', '',
                   'Medians over the seeds of the best learning rate of each '
@@ -567,51 +284,6 @@ def _tta_task(task, entry):
             '![{}](benchmarks_figures/{})'.format(task, png), '']
 
 
-def _shapes_targets(shapes):
-    """Issue #23's goals on the harder task, at its largest batch: K-FAC
-    in at most half MomentumSGD's epochs and 0.7x its seconds to the
-    target, a best final accuracy at least MomentumSGD's; with factors and
-    inverses every 50 steps, epochs within 10% of every step's."""
-    if not shapes or not shapes.get('summary'):
-        return []
-    batch = max(shapes['summary'], key=int)
-    rows = shapes['summary'][batch]['optimizers']
-    sgd, kfac = rows.get('sgd'), rows.get('kfac')
-    if sgd is None or kfac is None:
-        return []
-    out = []
-    import compare_shapes
-    for name, row in sorted(rows.items()):
-        if name == 'sgd':
-            continue
-        (e, bound), (t, _) = (compare_shapes.ratio_to_sgd(row, sgd, key)
-                              for key in ('epochs_to_target',
-                                          'seconds_to_target'))
-        label = 'shapes batch {}: {} epochs and seconds to SGD\'s best - ' \
-            '0.5 point'.format(batch, name)
-        if e is None:
-            out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
-                        'target missed', '**no**'])
-            continue
-        met = e <= 0.5 and t <= 0.7
-        # Upper bounds above the goal neither meet nor miss it ('-').
-        out.append([label, 'epochs <= 0.5x, seconds <= 0.7x',
-                    '{0}{1:.2f}x, {0}{2:.2f}x'.format(
-                        bound + ' ' if bound else '', e, t),
-                    _verdict(None if bound and not met else met)])
-    out.append(['shapes batch {}: best final accuracy'.format(batch),
-                '>= SGD\'s', '{:.3f} vs {:.3f}'.format(
-                    kfac['final_accuracy'], sgd['final_accuracy']),
-                _verdict(kfac['final_accuracy'] >= sgd['final_accuracy'])])
-    stale = rows.get('kfac_50_50')
-    if stale and not (stale['bounded'] or kfac['bounded']):
-        e = stale['epochs_to_target'] / kfac['epochs_to_target']
-        out.append(['shapes batch {}: kfac_50_50 epochs against every '
-                    'step\'s'.format(batch), '<= 1.10x',
-                    '{:.2f}x'.format(e), _verdict(e <= 1.10)])
-    return out
-
-
 def _shapes_section(shapes):
     """The harder task of ``compare_shapes.py``: its table, recipe and
     curves."""
@@ -625,47 +297,23 @@ def _shapes_section(shapes):
         '## Harder task: K-FAC against a tuned large-batch MomentumSGD', '',
         'Command: `{0}compare_shapes.py --batches B --lrs-sgd ... '
         '--lrs-kfac ... --kl-clips ... --seeds S --jobs 2`, then '
-        '`--kl-graft`, `--graft`, `--graft-relative`, `--graft-decay`, '
-        '`--stale`, `--swap`, `--swap-stale` and `--quadratic-model` (runs '
-        'are kept '
-        'and added to across invocations; see the script). Generated '
-        'colour images ({1}: 10 classes, 24x24), model {2}; both optimizers '
-        'with the same recipe: learning rate {3}, momentum {4}, weight '
-        'decay {5}, {6} epochs ({7} of warm-up). `kfac_kl_graft` is the '
-        'one-line swap at today\'s defaults, `KFAC(lr, momentum)`, at '
-        'MomentumSGD\'s best base learning rate (`--kl-graft`). Every '
-        'other K-FAC row keeps the bound as the library grew it when the '
-        'row was measured: `kl_clip` at batch 64, times `(B / 64)²` above. '
-        '`kfac_graft` is the one-line swap at the defaults before, the '
-        'grafted step under a fixed bound (`--graft`, over its own grid of '
-        'base learning rates), '
-        '`kfac_graft_at_sgd_lr` the same at MomentumSGD\'s best base '
-        'learning rate, `kfac_graft_rel10` that swap with '
-        '`kl_clip_relative=10` (`--graft-relative`) and `kfac_graft_decay` '
-        'with the bound set to `kl_clip · factor²` after the '
-        'warm-up (`--graft-decay`). The other rows are the natural '
-        'step: K-FAC\'s grid (`kfac`) spans '
-        'its learning rate and its bound `kl_clip` (at batch 64; the bound '
-        'follows the square of the schedule\'s factor, as the guard\'s `q` '
-        'grows with lr², which is what `kl_clip_follows_lr=True` does), '
-        'factors every step, every other option at its default; '
-        '`kfac_at_sgd_lr` is that grid\'s best at MomentumSGD\'s best base '
-        'learning rate; `kfac_swap` is the natural step\'s one-line swap, '
-        '`KFAC(lr, momentum, step_rule=\'natural\', kl_clip=1e-4)` '
-        'with its bound not scheduled, here with '
-        'factors every step, `kfac_swap_10_100` the same with factors '
-        'every 10 steps and inverses every 100, and `kfac_swap_adaptive` '
-        'the same at the default `Adaptive` intervals '
-        '(`--swap-stale`). `kfac_quadratic_model` takes its step length, '
-        'momentum and damping from the loss\'s quadratic model '
-        '(`step_rule=\'adaptive\'`, no learning rate, no guard; '
-        '`--quadratic-model`), `kfac_quadratic_model_floor` the same with '
-        'the damping kept at 1e-3 or more; their seconds ran beside two '
-        'or three other processes on the 2 cores and are not comparable '
-        'with the other rows\'. Seconds '
-        'count training steps only (two runs at a time on the 2 cores, '
-        'one BLAS thread each; the machine ran other work at times, so '
-        'read differences of seconds under about 15% as noise). The line '
+        '`--kl-graft`, `--graft`, `--reference`, `--stale` and '
+        '`--quadratic-model` (runs accumulate across invocations; the '
+        'script\'s docstring says what each row is). Generated colour '
+        'images ({1}: 10 classes, 24x24), model {2}; both optimizers with '
+        'the same recipe: learning rate {3}, momentum {4}, weight decay '
+        '{5}, {6} epochs ({7} of warm-up). `kfac_kl_graft` is the one-line '
+        'swap at today\'s defaults, `KFAC(lr, momentum)`, at MomentumSGD\'s '
+        'best base learning rate; `kfac_graft` the swap at the defaults '
+        'before (the grafted step under a fixed bound); `kfac` the natural '
+        'step\'s grid over lr and `kl_clip` (at batch 64, the bound '
+        'following the schedule\'s square), factors every step; '
+        '`kfac_reference` the natural step tuned by hand (damping 1e-3, '
+        'no guard). Every K-FAC row but `kfac_kl_graft` keeps the bound as '
+        'the library grew it when the row was measured, `kl_clip · '
+        '(B / 64)²`. Seconds count training steps only, two runs at a '
+        'time on the 2 cores (read differences under about 15% as noise; '
+        'the quadratic model\'s rows ran beside more processes). The line '
         'below describes the last invocation.'.format(
             PREFIX, recipe['data'], recipe['model'], recipe['lr'],
             recipe['momentum'], recipe['weight_decay'], recipe['epochs'],
@@ -762,10 +410,6 @@ def _float16_section(f16):
             PREFIX, f16['batch'], f16['lr'], f16['iterations'], f16['goal'],
             'met' if f16['met'] else 'not met'),
         '', _env_line(f16), ''] + rows + ['']
-
-
-def payload_error(payload):
-    return payload.get('error')
 
 
 def main(argv=None):
