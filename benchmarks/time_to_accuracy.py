@@ -183,6 +183,11 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'kl_graft',
                   'kl_clip_follows_lr': True},
+              # The defaults with the damping 1e-2 · 64 / 512: one falling
+              # like 1 / B from batch 64, at batch 512.
+              'kfac_adaptive_d1.25e-3': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'damping': 1.25e-3},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
               # rate is not used, no guard.
