@@ -188,6 +188,15 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive_d1.25e-3': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'damping': 1.25e-3},
+              # K-FAC tuned by hand (at --kfac-intervals 1,1: factors every
+              # step): the natural step, no guard, damping 1e-3 or 1e-2;
+              # the one-line swap's step rule without the guard.
+              'kfac_reference': {'step_rule': 'natural', 'damping': 1e-3,
+                                 'kl_clip': None},
+              'kfac_reference_d1e-2': {'step_rule': 'natural',
+                                       'kl_clip': None},
+              'kfac_kl_graft_no_guard_d1e-3': {'damping': 1e-3,
+                                               'kl_clip': None},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
               # rate is not used, no guard.
@@ -233,8 +242,11 @@ def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
             order, pos = rng.permutation(len(x_tr)), 0
         idx = order[pos:pos + batch]
         pos += batch
-        loss_value, seconds = harness.train_step(net, optimizer,
-                                                 x_tr[idx], y_tr[idx])
+        try:
+            loss_value, seconds = harness.train_step(net, optimizer,
+                                                     x_tr[idx], y_tr[idx])
+        except chainerkfac.NonFiniteError:
+            break  # a run that blows up misses the target
         wall += seconds
         if not numpy.isfinite(loss_value):
             break
