@@ -9,6 +9,7 @@ timer. Nothing here edits or patches the library.
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -263,18 +264,28 @@ def results_dir():
     return path
 
 
+#: A JSON list of numbers (or nulls), as json.dumps indents it.
+_NUMBER = r'(?:-?[0-9][0-9.eE+-]*|null|true|false|NaN|-?Infinity)'
+_FLAT_LIST = re.compile(r'\[\s*(?:{0}\s*,\s*)*{0}\s*\]'.format(_NUMBER))
+
+
 def write_json(name, payload):
     """Writes ``payload`` as ``name`` under ``results/`` (or at ``name``,
     an absolute path), whole or not at all: into a temporary file, then
-    renamed over the old one."""
+    renamed over the old one. Indented, but a list of numbers (a curve's
+    point) on one line: curves of thousands of points stay readable
+    without a line per number."""
     path = os.path.join(results_dir(), name)
+    text = _FLAT_LIST.sub(
+        lambda m: ' '.join(m.group(0).split()).replace('[ ', '[')
+        .replace(' ]', ']'),
+        json.dumps(payload, indent=1, sort_keys=False, default=_default))
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.',
                                suffix='.json')
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, 'w') as f:
-            json.dump(payload, f, indent=1, sort_keys=False,
-                      default=_default)
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
