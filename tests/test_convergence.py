@@ -116,7 +116,7 @@ def test_deep_plain_cnn_stall_is_named_and_grafting_trains_it(digits):
     # 100 steps and a flat loss give a StallWarning, not a
     # DivergenceWarning; the default step rule trains the same model.
     _, caught = losses('deep_cnn', chainerkfac.optimizers.KFAC(
-        0.05, 0.9, step_rule='natural', kl_clip=1e-8),
+        0.05, 0.9, step_rule='natural', kl_clip=1e-11),
         digits, steps=divergence.PATIENCE + 2)
     assert [w.category for w in caught] == [chainerkfac.StallWarning]
     grafted, warned = losses('deep_cnn', chainerkfac.optimizers.KFAC(

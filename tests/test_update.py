@@ -14,11 +14,11 @@ from tests.device import host, place, send
 
 
 class MLP(chainer.Chain):
-    def __init__(self, dtype=numpy.float64):
+    def __init__(self, dtype=numpy.float64, nobias=False):
         super().__init__()
         with chainer.using_config('dtype', dtype), self.init_scope():
-            self.l1 = L.Linear(6, 5)
-            self.l2 = L.Linear(5, 3)
+            self.l1 = L.Linear(6, 5, nobias=nobias)
+            self.l2 = L.Linear(5, 3, nobias=nobias)
 
     def forward(self, x):
         return self.l2(F.tanh(self.l1(x)))
@@ -35,7 +35,7 @@ def data(n=16, seed=0, dtype=numpy.float64):
 
 def reference_copy(model, x, t):
     """A copy of ``model`` holding the raw gradients of batch (x, t)."""
-    ref = MLP(model.l1.W.dtype)
+    ref = MLP(model.l1.W.dtype, nobias=model.l1.b is None)
     ref.copyparams(model)
     ref.cleargrads()
     loss_fn(ref)(x, t).backward()
@@ -43,6 +43,8 @@ def reference_copy(model, x, t):
 
 
 def full_gradient(link):
+    if link.b is None:
+        return host(link.W.grad)
     return numpy.concatenate([host(link.W.grad), host(link.b.grad)[:, None]],
                              axis=1)
 
@@ -79,16 +81,20 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
 @pytest.mark.parametrize('rule,kl_clip', [
     ('natural', 1e-4), ('graft', None), ('graft', 1e-4),
     ('kl_graft', None), ('kl_graft', 1e-4)])
+# Without a bias a block's gradient is a view of the weight's (see below).
+@pytest.mark.parametrize('nobias', [False, True])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol, rule,
-                                               kl_clip):
+                                               kl_clip, nobias):
     # V_b = F̂_b⁻¹ g_b by a dense solve; the step rule's ρ_b and the
     # update-norm guard's ν = min(1, sqrt(κ / (lr² Σ_b ρ_b² ⟨V_b, g_b⟩))),
     # κ = kl_clip · 16 / 64 for this batch of 16, by their formulas; then
-    # w <- w - lr ρ_b ν V_b (momentum 0).
+    # w <- w - lr ρ_b ν V_b (momentum 0). A layer without a bias (as a
+    # convolution before BatchNorm) once had its sums taken after V had
+    # overwritten its gradient: ⟨V, V⟩ in place of ⟨V, g⟩ and ⟨g, g⟩.
     damping, lr = 1e-2, 0.5
     numpy.random.seed(0)
-    model = place(MLP(dtype))
+    model = place(MLP(dtype, nobias))
     opt = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.0, damping=damping,
                                       inverse=inverse,
                                       inverse_interval=inverse_interval,
@@ -129,13 +135,15 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                       rtol=rtol)
     for name, (_, V) in solved.items():
         step = lr * rho[name] * nu * V
-        W_new = before['/' + name + '/W'] - step[:, :-1]
-        b_new = before['/' + name + '/b'] - step[:, -1]
         link = getattr(model, name)
+        W_new = before['/' + name + '/W'] - step[:, :link.W.shape[1]]
         numpy.testing.assert_allclose(host(link.W.array), W_new, rtol=rtol,
                                       atol=rtol * abs(W_new).max())
-        numpy.testing.assert_allclose(host(link.b.array), b_new, rtol=rtol,
-                                      atol=rtol * abs(b_new).max())
+        if not nobias:
+            b_new = before['/' + name + '/b'] - step[:, -1]
+            numpy.testing.assert_allclose(host(link.b.array), b_new,
+                                          rtol=rtol,
+                                          atol=rtol * abs(b_new).max())
         if rule == 'graft' and kl_clip is None:
             # SGD's step length, block by block.
             g = full_gradient(getattr(ref, name))

@@ -342,8 +342,12 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
             return step_rule.identity_terms(self.gradient())
         grad = self.gradient(weight_decay)
         preconditioned = self.form.apply(grad)
+        # The sums before set_gradient: the gradient of a layer without a
+        # bias (and without the decay term) is a view of param.grad, which
+        # set_gradient overwrites with V.
+        terms = step_rule.block_terms(preconditioned, grad)
         self.set_gradient(preconditioned)
-        return step_rule.block_terms(preconditioned, grad)
+        return terms
 
     # -- description and serialisation -----------------------------------
 
