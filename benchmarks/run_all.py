@@ -311,7 +311,12 @@ def _shapes_section(shapes):
         '`kfac_reference` the natural step tuned by hand (damping 1e-3, '
         'no guard). Every K-FAC row but `kfac_kl_graft` keeps the bound as '
         'the library grew it when the row was measured, `kl_clip · '
-        '(B / 64)²`. Seconds count training steps only, two runs at a '
+        '(B / 64)²`, and every K-FAC row with the guard or a step rule '
+        'other than the natural step, but `kfac_kl_graft`, ran while the '
+        'step rule\'s sums of the model\'s convolutions (without a bias) '
+        'were wrong ([](#the-step-rules-sums-of-layers-without-a-bias-'
+        'before-and-after-their-fix)); `kfac_reference` does not use '
+        'them. Seconds count training steps only, two runs at a '
         'time on the 2 cores (read differences under about 15% as noise; '
         'the quadratic model\'s rows ran beside more processes). The line '
         'below describes the last invocation.'.format(
