@@ -81,7 +81,6 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
 @pytest.mark.parametrize('rule,kl_clip', [
     ('natural', 1e-4), ('graft', None), ('graft', 1e-4),
     ('kl_graft', None), ('kl_graft', 1e-4)])
-# Without a bias a block's gradient is a view of the weight's (see below).
 @pytest.mark.parametrize('nobias', [False, True])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol, rule,
@@ -89,9 +88,9 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
     # V_b = F̂_b⁻¹ g_b by a dense solve; the step rule's ρ_b and the
     # update-norm guard's ν = min(1, sqrt(κ / (lr² Σ_b ρ_b² ⟨V_b, g_b⟩))),
     # κ = kl_clip · 16 / 64 for this batch of 16, by their formulas; then
-    # w <- w - lr ρ_b ν V_b (momentum 0). A layer without a bias (as a
-    # convolution before BatchNorm) once had its sums taken after V had
-    # overwritten its gradient: ⟨V, V⟩ in place of ⟨V, g⟩ and ⟨g, g⟩.
+    # w <- w - lr ρ_b ν V_b (momentum 0). Without a bias (a convolution
+    # before BatchNorm) the block's gradient is a view of W.grad, which V
+    # overwrites: its sums must be ⟨V, g⟩ and ⟨g, g⟩, not ⟨V, V⟩.
     damping, lr = 1e-2, 0.5
     numpy.random.seed(0)
     model = place(MLP(dtype, nobias))
