@@ -33,8 +33,12 @@ natural-step grid (below) at that learning rate: the step
 kl_clip_follows_lr=True)`` takes, whose bound follows the schedule's square
 as the grid's does. ``--reference LRS`` adds K-FAC tuned by hand
 (``kfac_reference``: the natural step, damping 1e-3, factors every step,
-no guard). The K-FAC rows below them are the natural step
-(``step_rule='natural'``), the default before grafting. Every row but
+no guard); each of its epochs records ``kl_graft_equivalent_lr``, the
+base learning rate at which the default step rule (``kl_graft``) would
+scale its natural step to the length it took (median, 10th and 90th
+percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
+are the natural step (``step_rule='natural'``), the default before
+grafting. Every row but
 ``kfac_kl_graft`` keeps the bound as the library grew it when the row was
 measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
@@ -154,6 +158,22 @@ def guard_options(name, kl_clip, batch):
 _DATA = {}
 
 
+class UnitsProbe(chainerkfac.step_rule.Natural):
+    """The natural step (``kfac_reference``'s), recording at every step
+    the scale ``ρ`` the default rule (``kl_graft``) would take: the run's
+    step ``η V`` is the default's ``η' ρ V`` at ``η' = η / ρ``, so
+    ``base_lr / ρ`` is the base learning rate, in MomentumSGD's units, at
+    which the one-line swap would take the reference's step."""
+
+    def __init__(self):
+        self.kl_graft_scales = []
+
+    def scales(self, terms):
+        self.kl_graft_scales.append(float(
+            chainerkfac.step_rule.KLGraft().scales(terms)[0]))
+        return super().scales(terms)
+
+
 def schedule_factor(iteration, total, warmup):
     """Linear warm-up over ``warmup`` iterations, then cosine decay to 0;
     the factor applied to the learning rate at ``iteration`` (from 0)."""
@@ -197,6 +217,9 @@ def train(spec, decays=()):
     options = OPTIMIZERS[name]
     if options is not None and callable(options.get('step_rule')):
         options = dict(options, step_rule=options['step_rule']())
+    probe = UnitsProbe() if name == 'kfac_reference' else None
+    if probe:
+        options = dict(options, step_rule=probe)
     # The bound the optimizer gets; the run records the spec's kl_clip.
     bound = None
     if options is None:
@@ -256,6 +279,13 @@ def train(spec, decays=()):
             curve[-1]['guard'] = {
                 'bound_steps': sum(v < 1 for v in scales) / len(scales),
                 'median_update_scale': float(numpy.median(scales))}
+        if probe and probe.kl_graft_scales:
+            # Per epoch: the swap's base lr that takes the reference's step
+            # (median, 10th and 90th percentiles over the epoch's steps).
+            equivalent = base_lr / numpy.array(probe.kl_graft_scales)
+            curve[-1]['kl_graft_equivalent_lr'] = numpy.percentile(
+                equivalent, [50, 10, 90]).tolist()
+            probe.kl_graft_scales = []
         if chosen:
             curve[-1]['quadratic_model'] = dict(zip(
                 ('median_alpha', 'median_mu', 'median_damping'),
