@@ -42,6 +42,12 @@ grafting. Every row but
 ``kfac_kl_graft`` keeps the bound as the library grew it when the row was
 measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
+``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
+``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4 · B /
+64, kl_clip_batch=None)``, the bound following the schedule's square):
+at MomentumSGD's learning rates the bound sets the step, the natural
+direction scaled to the KL change the reference's steps nearly have.
+
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
 (``kfac_quadratic_model``: ``step_rule='adaptive'``, Martens & Grosse
@@ -112,6 +118,10 @@ OPTIMIZERS = {
     # factors every step, no guard.
     'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
                        'damping': 1e-3},
+    # A step of fixed KL change: the defaults' direction with the
+    # reference's damping and factors, the bound growing like B
+    # (guard_options) and following the schedule, binding on most steps.
+    'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -123,23 +133,27 @@ OPTIMIZERS = {
             min_damping=1e-3)},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
-SWAPS = ('kfac_graft', 'kfac_kl_graft')
+SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
 #: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
 #: the natural step's grid there.
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
         'kfac') + STALE + ('kfac_kl_graft', 'kfac_quadratic_model',
-                           'kfac_quadratic_model_floor', 'kfac_reference')
+                           'kfac_quadratic_model_floor', 'kfac_reference',
+                           'kfac_kl_step')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
-                          'navy')))
+                          'navy', 'darkgoldenrod')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
+#: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
+#: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).
+KL_STEP_CLIP = 5e-4
 
 
 def guard_options(name, kl_clip, batch):
@@ -148,9 +162,12 @@ def guard_options(name, kl_clip, batch):
     the bound as the library had it when the row was measured: fixed (the
     schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
     ``(B / 64)²`` times that above, without the default's cap
-    (``update_norm.GROWN_MAX``)."""
+    (``update_norm.GROWN_MAX``). ``kfac_kl_step``'s grows like ``B``
+    and follows the schedule."""
     if name == 'kfac_kl_graft' or kl_clip is None:
         return {'kl_clip': kl_clip}
+    if name == 'kfac_kl_step':
+        return {'kl_clip': kl_clip * batch / 64, 'kl_clip_batch': None}
     return {'kl_clip': kl_clip * max(batch / 64, 1) * batch / 64,
             'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
@@ -556,6 +573,10 @@ def main(argv=None):
     parser.add_argument('--reference', default=None,
                         help='base lrs of the natural step, damping 1e-3, '
                         'factors every step, no guard (kfac_reference)')
+    parser.add_argument('--kl-step', default=None,
+                        help='base lrs of the step of fixed KL change '
+                        '(kfac_kl_step: damping 1e-3, factors every step, '
+                        'kl_clip KL_STEP_CLIP at batch 64 grown like B)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -614,7 +635,8 @@ def main(argv=None):
     for name, lrs, bound in (
             ('kfac_reference', args.reference, None),
             ('kfac_kl_graft', args.kl_graft,
-             chainerkfac.optimizers.KFAC().kl_clip)):
+             chainerkfac.optimizers.KFAC().kl_clip),
+            ('kfac_kl_step', args.kl_step, KL_STEP_CLIP)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches
