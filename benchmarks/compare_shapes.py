@@ -38,9 +38,9 @@ base learning rate at which the default step rule (``kl_graft``) would
 scale its natural step to the length it took (median, 10th and 90th
 percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
 are the natural step (``step_rule='natural'``), the default before
-grafting. Every row but
-``kfac_kl_graft`` keeps the bound as the library grew it when the row was
-measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
+grafting. Every row but ``kfac_kl_graft`` and ``kfac_kl_step`` (below)
+keeps the bound as the library grew it when the row was measured,
+``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
 ``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
 ``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4 · B /
@@ -158,8 +158,9 @@ KL_STEP_CLIP = 5e-4
 
 def guard_options(name, kl_clip, batch):
     """The update-norm guard's options of row ``name``'s K-FAC at global
-    batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) keeps
-    the bound as the library had it when the row was measured: fixed (the
+    batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) and
+    ``kfac_kl_step`` keeps the bound as the library had it when the row
+    was measured: fixed (the
     schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
     ``(B / 64)²`` times that above, without the default's cap
     (``update_norm.GROWN_MAX``). ``kfac_kl_step``'s grows like ``B``
@@ -576,7 +577,7 @@ def main(argv=None):
     parser.add_argument('--kl-step', default=None,
                         help='base lrs of the step of fixed KL change '
                         '(kfac_kl_step: damping 1e-3, factors every step, '
-                        'kl_clip KL_STEP_CLIP at batch 64 grown like B)')
+                        'kl_clip 5e-4 at batch 64 grown like B)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
