@@ -173,6 +173,13 @@ def guard_options(name, kl_clip, batch):
             'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
 
+def kl_step_options(batch):
+    """``kfac_kl_step``'s K-FAC options at global batch ``batch`` (the
+    other benchmarks measure the same row)."""
+    return dict(OPTIMIZERS['kfac_kl_step'],
+                **guard_options('kfac_kl_step', KL_STEP_CLIP, batch))
+
+
 _DATA = {}
 
 

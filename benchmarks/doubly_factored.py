@@ -73,7 +73,18 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
                                         kl_clip_relative=10),
               # The defaults: the natural direction at the grafted step's
               # KL change, the bound following the schedule.
-              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH}}
+              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH},
+              # compare_shapes' step of fixed KL change (a function of the
+              # batch: the bound grows like it).
+              'kfac_doubly_kl_step': lambda batch: dict(
+                  compare_shapes.kl_step_options(batch),
+                  doubly_factored_from=WIDTH),
+              # The same with the default adaptive factor intervals.
+              'kfac_doubly_kl_step_adaptive': lambda batch: dict(
+                  compare_shapes.kl_step_options(batch),
+                  doubly_factored_from=WIDTH,
+                  factor_interval=chainerkfac.schedules.Adaptive(),
+                  inverse_interval=1)}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
 
@@ -191,6 +202,8 @@ def train(spec):
     model = VGGStyle()
     lr = base_lr * batch / 256
     options = OPTIMIZERS[name]
+    if callable(options):
+        options = options(batch)
     timer = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)

@@ -40,6 +40,7 @@ import chainer.functions as F
 import chainer.links as L
 import numpy
 
+import compare_shapes
 import harness
 import models
 
@@ -141,7 +142,8 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 
 
 #: Optimizers that can be compared (``--optimizers``); every one but
-#: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid.
+#: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid. Options that
+#: depend on the batch are a function of it.
 OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # The defaults before kl_graft, at --kfac-intervals.
               'kfac_graft': harness.GRAFTED,
@@ -203,15 +205,25 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive_quadratic_model': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'adaptive',
-                  'kl_clip': None}}
+                  'kl_clip': None},
+              # compare_shapes' step of fixed KL change: damping 1e-3,
+              # factors every step, the bound 5e-4 · B / 64 following the
+              # schedule.
+              'kfac_kl_step': compare_shapes.kl_step_options,
+              # The same with the defaults' adaptive factor intervals.
+              'kfac_adaptive_kl_step': lambda batch: dict(
+                  compare_shapes.kl_step_options(batch),
+                  factor_interval=chainerkfac.schedules.Adaptive(),
+                  inverse_interval=1)}
 
 
-def make_optimizer(name, lr, intervals):
+def make_optimizer(name, lr, intervals, batch):
     if name == 'sgd':
         return chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     f, i = intervals
+    options = OPTIMIZERS[name]
     options = dict({'factor_interval': f, 'inverse_interval': i},
-                   **OPTIMIZERS[name])
+                   **(options(batch) if callable(options) else options))
     return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, **options)
 
 
@@ -228,7 +240,7 @@ def train_run(task, data, opt_name, lr, batch, seed, intervals, max_iter):
     (x_tr, y_tr), (x_val, y_val) = data
     numpy.random.seed(seed)
     model = task['model']()
-    optimizer = make_optimizer(opt_name, lr, intervals)
+    optimizer = make_optimizer(opt_name, lr, intervals, batch)
     # The quadratic model's step needs update(classifier, x, t).
     net = chainer.links.Classifier(model) if getattr(
         optimizer, 'step_rule', None) is not None and \
