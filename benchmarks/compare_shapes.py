@@ -18,16 +18,11 @@ update-norm guard's bound follows the schedule's squared factor, as the
 guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
 nor the decay.
 
-``--defaults LRS`` adds the one-line swap at the defaults
-(``kfac_kl_step_adaptive``: ``KFAC(lr, momentum)``, a step of fixed KL
-change: the natural direction, the bound 5e-4 at batch 64 growing like
-``B`` and following the schedule, damping 1e-3, adaptive intervals) at the
-base learning rates given, typically MomentumSGD's best. ``--kl-graft
-LRS`` adds the one-line swap at the defaults before it (``kfac_kl_graft``:
-the natural direction at the grafted step's KL change, damping 1e-2, the
-bound 1e-2 at batch 64 growing like ``B²`` up to 0.64 and following the
-schedule). ``--graft LRS`` adds
-the one-line swap at the defaults before that (``kfac_graft``: the grafted
+``--kl-graft LRS`` adds the one-line swap at the defaults
+(``kfac_kl_graft``: ``KFAC(lr, momentum)``, the natural direction at the
+grafted step's KL change, its bound following the schedule) at the base
+learning rates given, typically MomentumSGD's best. ``--graft LRS`` adds
+the one-line swap at the defaults before it (``kfac_graft``: the grafted
 step, whose length follows the learning rate as MomentumSGD's does, the
 safety bound fixed at 1e-2 or ``--graft-kl-clips``, adaptive intervals)
 at the base learning rates given, typically MomentumSGD's grid; the
@@ -43,17 +38,17 @@ base learning rate at which the default step rule (``kl_graft``) would
 scale its natural step to the length it took (median, 10th and 90th
 percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
 are the natural step (``step_rule='natural'``), the default before
-grafting. Every row but those of the step of fixed KL change keeps the
-bound as the library grew it when the row was measured, ``kl_clip`` at
-batch 64 times ``(B / 64)²`` (``guard_options``), and every row measured
-when the default damping was 1e-2 names it.
+grafting. Every row but ``kfac_kl_graft`` and ``kfac_kl_step`` (below)
+keeps the bound as the library grew it when the row was measured,
+``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
-``--kl-step LRS`` adds the defaults with factors every step
-(``kfac_kl_step``: ``KFAC(lr, momentum, factor_interval=1)``, given as
-``damping=1e-3, kl_clip=5e-4 · B / 64, kl_clip_batch=None``, as measured
-before they were the defaults): at MomentumSGD's learning rates the bound
-sets the step, the natural direction scaled to the KL change the
-reference's steps nearly have.
+``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
+``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4 · B /
+64, kl_clip_batch=None)``, the bound following the schedule's square):
+at MomentumSGD's learning rates the bound sets the step, the natural
+direction scaled to the KL change the reference's steps nearly have.
+``--kl-step-adaptive LRS`` adds the same with the default adaptive
+intervals (``kfac_kl_step_adaptive``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -104,26 +99,23 @@ WEIGHT_DECAY = 5e-4
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
-    # Rows measured when the default damping was 1e-2 name it.
     # The one-line swap at the defaults before kl_graft: its step as long
     # as MomentumSGD's per layer (step_rule 'graft'), the bound fixed at
     # GRAFT_KL_CLIP.
-    'kfac_graft': {'step_rule': 'graft', 'damping': 1e-2},
-    # The one-line swap at the defaults before the step of fixed KL
-    # change: the natural direction at the grafted step's KL change, the
-    # bound 1e-2 at batch 64 growing like B² (guard_options) and following
-    # the schedule.
-    'kfac_kl_graft': {'damping': 1e-2},
+    'kfac_graft': {'step_rule': 'graft'},
+    # The one-line swap: KFAC(lr, momentum) at the defaults, the natural
+    # direction at the grafted step's KL change, the bound following the
+    # schedule and growing like B.
+    'kfac_kl_graft': {},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
-    'kfac': {'factor_interval': 1, 'step_rule': 'natural', 'damping': 1e-2},
+    'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
     'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100,
-                    'step_rule': 'natural', 'damping': 1e-2},
+                    'step_rule': 'natural'},
     'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50,
-                   'step_rule': 'natural', 'damping': 1e-2},
+                   'step_rule': 'natural'},
     'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
-                      'inverse_interval': 1, 'step_rule': 'natural',
-                      'damping': 1e-2},
+                      'inverse_interval': 1, 'step_rule': 'natural'},
     # K-FAC tuned by hand: the natural step, damping 1e-3,
     # factors every step, no guard.
     'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
@@ -132,19 +124,17 @@ OPTIMIZERS = {
     # reference's damping and factors, the bound growing like B
     # (guard_options) and following the schedule, binding on most steps.
     'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1},
-    # The one-line swap: KFAC(lr, momentum) at the defaults, the step of
-    # fixed KL change with adaptive intervals.
-    'kfac_kl_step_adaptive': {},
+    # The same with the default adaptive intervals.
+    'kfac_kl_step_adaptive': {'damping': 1e-3},
     # The step length, momentum and damping from the loss's quadratic model
-    # (kfac-jax's adaptive mode): no learning rate, no guard; its damping
-    # starts at 1e-2.
-    'kfac_quadratic_model': {'step_rule': 'adaptive', 'damping': 1e-2},
+    # (kfac-jax's adaptive mode): no learning rate, no guard.
+    'kfac_quadratic_model': {'step_rule': 'adaptive'},
     # The same with the damping kept at 1e-3 or more (a class: each run
     # gets a rule of its own).
     'kfac_quadratic_model_floor': {
         'step_rule': functools.partial(
             chainerkfac.optimizers.quadratic_model.QuadraticModel,
-            min_damping=1e-3), 'damping': 1e-2},
+            min_damping=1e-3)},
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
@@ -164,8 +154,7 @@ COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
                           'navy', 'darkgoldenrod', 'olive')))
 assert len(COLOURS) == len(ROWS)
-#: The bound at batch 64 of the one-line swap between grafting and the
-#: step of fixed KL change (kfac_graft and kfac_kl_graft).
+#: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
 #: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
 #: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).
@@ -174,46 +163,19 @@ KL_STEP_CLIP = 5e-4
 
 def guard_options(name, kl_clip, batch):
     """The update-norm guard's options of row ``name``'s K-FAC at global
-    batch ``batch``, ``kl_clip`` the bound at batch 64. The defaults'
-    (``kfac_kl_step_adaptive``) is the library's. Every other row keeps the
-    bound as the library had it when the row was measured: ``kl_clip ·
-    (B / 64)²``, fixed (the schedule moves it from outside, if at all),
-    without a cap; ``kfac_kl_graft``'s the same up to
-    ``update_norm.GROWN_MAX``, following the schedule; ``kfac_kl_step``'s
-    grows like ``B`` and follows the schedule."""
-    if name == 'kfac_kl_step_adaptive' or kl_clip is None:
+    batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) and
+    those of the step of fixed KL change keeps the bound as the library
+    had it when the row was measured: fixed (the
+    schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
+    ``(B / 64)²`` times that above, without the default's cap
+    (``update_norm.GROWN_MAX``). The step of fixed KL change's grows like
+    ``B`` and follows the schedule."""
+    if name == 'kfac_kl_graft' or kl_clip is None:
         return {'kl_clip': kl_clip}
-    if name == 'kfac_kl_step':
+    if name in ('kfac_kl_step', 'kfac_kl_step_adaptive'):
         return {'kl_clip': kl_clip * batch / 64, 'kl_clip_batch': None}
-    grown = kl_clip * max(batch / 64, 1) * batch / 64
-    if name == 'kfac_kl_graft':
-        cap = max(kl_clip, chainerkfac.update_norm.GROWN_MAX)
-        return {'kl_clip': min(grown, cap), 'kl_clip_batch': None}
-    return {'kl_clip': grown, 'kl_clip_batch': None,
-            'kl_clip_follows_lr': False}
-
-
-def kl_graft_options(batch):
-    """``kfac_kl_graft``'s K-FAC options at global batch ``batch``: the
-    defaults before the step of fixed KL change."""
-    return dict(OPTIMIZERS['kfac_kl_graft'],
-                **guard_options('kfac_kl_graft', GRAFT_KL_CLIP, batch))
-
-
-def as_measured(options, batch):
-    """The K-FAC ``options`` of another benchmark's row measured before
-    the step of fixed KL change, at global batch ``batch``, as the library
-    then completed them: the damping 1e-2 and the bound ``kl_clip`` (1e-2)
-    at batch 64 grown like ``B²`` and given whole, up to
-    ``update_norm.GROWN_MAX`` under the step rule that brought that cap
-    (``kl_graft``), unless the row sets them."""
-    options = dict({'damping': 1e-2}, **options)
-    if 'kl_clip_batch' in options or options.get('kl_clip', 0) is None:
-        return options
-    name = 'kfac_kl_graft' if options.get(
-        'step_rule', 'kl_graft') == 'kl_graft' else 'kfac'
-    bound = guard_options(name, options.get('kl_clip', GRAFT_KL_CLIP), batch)
-    return dict(options, kl_clip=bound['kl_clip'], kl_clip_batch=None)
+    return {'kl_clip': kl_clip * max(batch / 64, 1) * batch / 64,
+            'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
 
 def kl_step_options(batch):
@@ -620,11 +582,7 @@ def main(argv=None):
                         'grid')
     parser.add_argument('--kl-graft', default=None,
                         help='base lrs of the one-line swap at the '
-                        'defaults before the step of fixed KL change '
-                        '(kfac_kl_graft)')
-    parser.add_argument('--defaults', default=None,
-                        help='base lrs of the one-line swap at the '
-                        'defaults (kfac_kl_step_adaptive)')
+                        'defaults (kfac_kl_graft)')
     parser.add_argument('--reference', default=None,
                         help='base lrs of the natural step, damping 1e-3, '
                         'factors every step, no guard (kfac_reference)')
@@ -632,6 +590,9 @@ def main(argv=None):
                         help='base lrs of the step of fixed KL change '
                         '(kfac_kl_step: damping 1e-3, factors every step, '
                         'kl_clip 5e-4 at batch 64 grown like B)')
+    parser.add_argument('--kl-step-adaptive', default=None,
+                        help='base lrs of the same with the default '
+                        'adaptive intervals (kfac_kl_step_adaptive)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -689,10 +650,10 @@ def main(argv=None):
                                'kfac_quadratic_model_floor')]
     for name, lrs, bound in (
             ('kfac_reference', args.reference, None),
-            ('kfac_kl_graft', args.kl_graft, GRAFT_KL_CLIP),
+            ('kfac_kl_graft', args.kl_graft,
+             chainerkfac.optimizers.KFAC().kl_clip),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
-            ('kfac_kl_step_adaptive', args.defaults,
-             chainerkfac.optimizers.KFAC().kl_clip)):
+            ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

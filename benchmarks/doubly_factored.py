@@ -204,8 +204,6 @@ def train(spec):
     options = OPTIMIZERS[name]
     if callable(options):
         options = options(batch)
-    elif options is not None:  # measured before the step of fixed KL change
-        options = compare_shapes.as_measured(options, batch)
     timer = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)

@@ -315,8 +315,7 @@ DEFAULT = 'default'
 
 #: K-FAC's options that give the defaults before ``kl_graft``: the grafted
 #: step under a fixed bound (the rows measured beside the defaults).
-GRAFTED = {'step_rule': 'graft', 'kl_clip_follows_lr': False,
-           'damping': 1e-2, 'kl_clip': 1e-2}
+GRAFTED = {'step_rule': 'graft', 'kl_clip_follows_lr': False}
 
 
 def stem(script, name=DEFAULT):

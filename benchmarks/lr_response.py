@@ -33,8 +33,7 @@ OPTIMIZERS = {
     'kfac': {},
     # The defaults before kl_graft.
     'kfac_graft': harness.GRAFTED,
-    'kfac_natural_kl1e-4': {'step_rule': 'natural', 'kl_clip': 1e-4,
-                            'damping': 1e-2},
+    'kfac_natural_kl1e-4': {'step_rule': 'natural', 'kl_clip': 1e-4},
 }
 
 

@@ -143,9 +143,7 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 
 #: Optimizers that can be compared (``--optimizers``); every one but
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid. Options that
-#: depend on the batch are a function of it; the others were measured
-#: before the step of fixed KL change and are completed as the library then
-#: completed them (``compare_shapes.as_measured``).
+#: depend on the batch are a function of it.
 OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # The defaults before kl_graft, at --kfac-intervals.
               'kfac_graft': harness.GRAFTED,
@@ -225,8 +223,7 @@ def make_optimizer(name, lr, intervals, batch):
     f, i = intervals
     options = OPTIMIZERS[name]
     options = dict({'factor_interval': f, 'inverse_interval': i},
-                   **(options(batch) if callable(options) else
-                      compare_shapes.as_measured(options, batch)))
+                   **(options(batch) if callable(options) else options))
     return chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9, **options)
 
 

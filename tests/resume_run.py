@@ -39,10 +39,8 @@ class CNN(chainer.Chain):
 
 def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0,
                    doubly_factored_from=None, kl_clip_relative=None):
-    # Damping 1e-2: the fixtures' (the default of their time).
     return chainerkfac.optimizers.KFAC(
-        lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.9,
-        inverse=inverse,
+        lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
         step_rule=step_rule, kl_clip=kl_clip, inverse_delay=inverse_delay,
         kl_clip_relative=kl_clip_relative,
         doubly_factored_from=doubly_factored_from,

@@ -157,5 +157,5 @@ def test_step_rule_option_is_checked_and_shown():
         chainerkfac.optimizers.KFAC(step_rule='sgd')
     optimizer = chainerkfac.optimizers.KFAC()
     assert isinstance(optimizer.step_rule, step_rule.KLGraft)
-    assert optimizer.kl_clip == 5e-4 and optimizer.kl_clip_lr == 0.01
+    assert optimizer.kl_clip == 1e-2 and optimizer.kl_clip_lr == 0.01
     assert optimizer.option_values()['step_rule'] == "'kl_graft'"

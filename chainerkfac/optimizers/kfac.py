@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 _default_hyperparam = optimizer.Hyperparameter()
 _default_hyperparam.lr = 0.01
 _default_hyperparam.momentum = 0.9
-_default_hyperparam.damping = 1e-3
+_default_hyperparam.damping = 1e-2
 _default_hyperparam.cov_ema_decay = 0.95
 _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
-_default_hyperparam.kl_clip = 5e-4
+_default_hyperparam.kl_clip = 1e-2
 
 
 class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
