@@ -124,8 +124,11 @@ OPTIMIZERS = {
     # reference's damping and factors, the bound growing like B
     # (guard_options) and following the schedule, binding on most steps.
     'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1},
-    # The same with the default adaptive intervals.
-    'kfac_kl_step_adaptive': {'damping': 1e-3},
+    # The same with the default adaptive intervals (named, so that a
+    # script with intervals of its own gets them too).
+    'kfac_kl_step_adaptive': {
+        'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
+        'inverse_interval': 1},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -178,11 +181,11 @@ def guard_options(name, kl_clip, batch):
             'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
 
-def kl_step_options(batch):
-    """``kfac_kl_step``'s K-FAC options at global batch ``batch`` (the
-    other benchmarks measure the same row)."""
-    return dict(OPTIMIZERS['kfac_kl_step'],
-                **guard_options('kfac_kl_step', KL_STEP_CLIP, batch))
+def kl_step_options(batch, name='kfac_kl_step'):
+    """The K-FAC options of row ``name`` (``kfac_kl_step`` or
+    ``kfac_kl_step_adaptive``) at global batch ``batch``, for the other
+    benchmarks that measure the same rows."""
+    return dict(OPTIMIZERS[name], **guard_options(name, KL_STEP_CLIP, batch))
 
 
 _DATA = {}

@@ -81,10 +81,9 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
                   doubly_factored_from=WIDTH),
               # The same with the default adaptive factor intervals.
               'kfac_doubly_kl_step_adaptive': lambda batch: dict(
-                  compare_shapes.kl_step_options(batch),
-                  doubly_factored_from=WIDTH,
-                  factor_interval=chainerkfac.schedules.Adaptive(),
-                  inverse_interval=1)}
+                  compare_shapes.kl_step_options(batch,
+                                                 'kfac_kl_step_adaptive'),
+                  doubly_factored_from=WIDTH)}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
 

@@ -211,10 +211,9 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # schedule.
               'kfac_kl_step': compare_shapes.kl_step_options,
               # The same with the defaults' adaptive factor intervals.
-              'kfac_adaptive_kl_step': lambda batch: dict(
-                  compare_shapes.kl_step_options(batch),
-                  factor_interval=chainerkfac.schedules.Adaptive(),
-                  inverse_interval=1)}
+              'kfac_adaptive_kl_step': lambda batch:
+                  compare_shapes.kl_step_options(batch,
+                                                 'kfac_kl_step_adaptive')}
 
 
 def make_optimizer(name, lr, intervals, batch):
