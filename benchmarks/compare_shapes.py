@@ -188,6 +188,12 @@ def kl_step_options(batch, name='kfac_kl_step'):
     return dict(OPTIMIZERS[name], **guard_options(name, KL_STEP_CLIP, batch))
 
 
+#: The same step of fixed KL change in terms of the run's length: the KL
+#: change per step times the run's steps, ``5e-4 · B / 64 · 20 ⌊20,000 /
+#: B⌋``, is 3.04-3.12 at batches 256-1024 here; a run of ``T`` steps
+#: elsewhere takes ``KL_BUDGET / T`` a step.
+KL_BUDGET = 3.1
+
 _DATA = {}
 
 

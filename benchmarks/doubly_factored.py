@@ -75,14 +75,21 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
               # KL change, the bound following the schedule.
               'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH},
               # compare_shapes' step of fixed KL change (a function of the
-              # batch: the bound grows like it).
-              'kfac_doubly_kl_step': lambda batch: dict(
+              # batch and the run's steps: the bound grows like the batch).
+              'kfac_doubly_kl_step': lambda batch, steps: dict(
                   compare_shapes.kl_step_options(batch),
                   doubly_factored_from=WIDTH),
               # The same with the default adaptive factor intervals.
-              'kfac_doubly_kl_step_adaptive': lambda batch: dict(
+              'kfac_doubly_kl_step_adaptive': lambda batch, steps: dict(
                   compare_shapes.kl_step_options(batch,
                                                  'kfac_kl_step_adaptive'),
+                  doubly_factored_from=WIDTH),
+              # The same with the KL change per step that the run's length
+              # sets: compare_shapes.KL_BUDGET over its steps.
+              'kfac_doubly_kl_run': lambda batch, steps: dict(
+                  compare_shapes.kl_step_options(batch,
+                                                 'kfac_kl_step_adaptive'),
+                  kl_clip=compare_shapes.KL_BUDGET / steps,
                   doubly_factored_from=WIDTH)}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))
@@ -202,7 +209,7 @@ def train(spec):
     lr = base_lr * batch / 256
     options = OPTIMIZERS[name]
     if callable(options):
-        options = options(batch)
+        options = options(batch, len(x_tr) // batch * epochs)
     timer = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
