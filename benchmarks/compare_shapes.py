@@ -38,9 +38,9 @@ base learning rate at which the default step rule (``kl_graft``) would
 scale its natural step to the length it took (median, 10th and 90th
 percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
 are the natural step (``step_rule='natural'``), the default before
-grafting. Every row but ``kfac_kl_graft`` and ``kfac_kl_step`` (below)
-keeps the bound as the library grew it when the row was measured,
-``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
+grafting. Every row but ``kfac_kl_graft`` and the steps of fixed KL
+change (below) keeps the bound as the library grew it when the row was
+measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
 
 ``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
 ``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4 · B /
@@ -48,7 +48,9 @@ keeps the bound as the library grew it when the row was measured,
 at MomentumSGD's learning rates the bound sets the step, the natural
 direction scaled to the KL change the reference's steps nearly have.
 ``--kl-step-adaptive LRS`` adds the same with the default adaptive
-intervals (``kfac_kl_step_adaptive``).
+intervals (``kfac_kl_step_adaptive``); ``--kl-run LRS`` the latter with the
+KL change per step that the run's length ``T`` sets, ``KL_BUDGET / T``
+(``kfac_kl_run``; at 20 epochs, about ``kfac_kl_step_adaptive``'s).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -129,6 +131,11 @@ OPTIMIZERS = {
     'kfac_kl_step_adaptive': {
         'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
         'inverse_interval': 1},
+    # The same with the KL change per step that the run's length sets:
+    # KL_BUDGET over its steps.
+    'kfac_kl_run': {
+        'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
+        'inverse_interval': 1},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -141,7 +148,7 @@ OPTIMIZERS = {
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
-         'kfac_kl_step_adaptive')
+         'kfac_kl_step_adaptive', 'kfac_kl_run')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
 #: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
@@ -149,13 +156,14 @@ STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
         'kfac') + STALE + ('kfac_kl_graft', 'kfac_quadratic_model',
                            'kfac_quadratic_model_floor', 'kfac_reference',
-                           'kfac_kl_step', 'kfac_kl_step_adaptive')
+                           'kfac_kl_step', 'kfac_kl_step_adaptive',
+                           'kfac_kl_run')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
-                          'navy', 'darkgoldenrod', 'olive')))
+                          'navy', 'darkgoldenrod', 'olive', 'teal')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
@@ -164,7 +172,7 @@ GRAFT_KL_CLIP = 1e-2
 KL_STEP_CLIP = 5e-4
 
 
-def guard_options(name, kl_clip, batch):
+def guard_options(name, kl_clip, batch, steps=None):
     """The update-norm guard's options of row ``name``'s K-FAC at global
     batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) and
     those of the step of fixed KL change keeps the bound as the library
@@ -172,27 +180,36 @@ def guard_options(name, kl_clip, batch):
     schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
     ``(B / 64)²`` times that above, without the default's cap
     (``update_norm.GROWN_MAX``). The step of fixed KL change's grows like
-    ``B`` and follows the schedule."""
+    ``B`` and follows the schedule; ``kfac_kl_run``'s is ``kl_clip`` (the
+    budget) over the run's ``steps``."""
     if name == 'kfac_kl_graft' or kl_clip is None:
         return {'kl_clip': kl_clip}
+    if name == 'kfac_kl_run':
+        return {'kl_clip': kl_clip / steps, 'kl_clip_batch': None}
     if name in ('kfac_kl_step', 'kfac_kl_step_adaptive'):
         return {'kl_clip': kl_clip * batch / 64, 'kl_clip_batch': None}
     return {'kl_clip': kl_clip * max(batch / 64, 1) * batch / 64,
             'kl_clip_batch': None, 'kl_clip_follows_lr': False}
 
 
-def kl_step_options(batch, name='kfac_kl_step'):
-    """The K-FAC options of row ``name`` (``kfac_kl_step`` or
-    ``kfac_kl_step_adaptive``) at global batch ``batch``, for the other
-    benchmarks that measure the same rows."""
-    return dict(OPTIMIZERS[name], **guard_options(name, KL_STEP_CLIP, batch))
-
-
 #: The same step of fixed KL change in terms of the run's length: the KL
 #: change per step times the run's steps, ``5e-4 · B / 64 · 20 ⌊20,000 /
 #: B⌋``, is 3.04-3.12 at batches 256-1024 here; a run of ``T`` steps
-#: elsewhere takes ``KL_BUDGET / T`` a step.
+#: takes ``KL_BUDGET / T`` a step (``kfac_kl_run``).
 KL_BUDGET = 3.1
+
+
+def kl_step_options(batch, name='kfac_kl_step', steps=None):
+    """The K-FAC options of row ``name`` (``kfac_kl_step``,
+    ``kfac_kl_step_adaptive`` or ``kfac_kl_run``, whose bound needs the
+    run's ``steps``) at global batch ``batch``, for the other benchmarks
+    that measure the same rows."""
+    if name == 'kfac_kl_run' and steps is None:
+        raise ValueError('kfac_kl_run\'s bound needs the run\'s steps')
+    budget = KL_BUDGET if name == 'kfac_kl_run' else KL_STEP_CLIP
+    return dict(OPTIMIZERS[name],
+                **guard_options(name, budget, batch, steps))
+
 
 _DATA = {}
 
@@ -235,10 +252,15 @@ def evaluate(model, x, y):
     return correct / len(x), loss / len(x)
 
 
-def train(spec, decays=()):
+def train(spec, decays=(), schedule=None, options=None):
     """One run: ``spec`` = (optimizer, base lr, K-FAC's ``kl_clip`` (None
     for MomentumSGD), batch, seed, epochs, warm-up epochs). Returns its
-    per-epoch curve. With Polyak averaging ``decays``
+    per-epoch curve. ``options`` replaces the row's K-FAC options
+    (``OPTIMIZERS``; ``guard_options`` still sets the bound);
+    ``schedule(iteration)``, when given, returns the
+    optimizer's hyperparameters for that step (``lr`` and any others:
+    ``momentum``, ``damping``) in place of the large-batch recipe's.
+    With Polyak averaging ``decays``
     (:class:`chainerkfac.PolyakAveraging`, one average per decay), each
     epoch also evaluates the model under each average: the curve's
     ``averaged`` maps ``str(decay)`` to its accuracy and loss. A K-FAC
@@ -253,7 +275,8 @@ def train(spec, decays=()):
     numpy.random.seed(seed)
     model = models.TinyResNet(10)
     lr = base_lr * batch / 256
-    options = OPTIMIZERS[name]
+    if options is None:
+        options = OPTIMIZERS[name]
     if options is not None and callable(options.get('step_rule')):
         options = dict(options, step_rule=options['step_rule']())
     probe = UnitsProbe() if name == 'kfac_reference' else None
@@ -264,7 +287,8 @@ def train(spec, decays=()):
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
-        guard = guard_options(name, kl_clip, batch)
+        guard = guard_options(name, kl_clip, batch,
+                              len(x_tr) // batch * epochs)
         bound = guard['kl_clip']
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 **dict(options, **guard))
@@ -286,8 +310,14 @@ def train(spec, decays=()):
         scales, chosen = [], []
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
-            factor = schedule_factor(it, total, warmup)
-            optimizer.lr = lr * factor
+            if schedule is None:
+                factor = schedule_factor(it, total, warmup)
+                optimizer.lr = lr * factor
+            else:
+                for key, value in schedule(it).items():
+                    assert hasattr(optimizer, key), key
+                    setattr(optimizer, key, value)
+                factor = optimizer.lr / lr
             if bound is not None and name not in SWAPS:
                 optimizer.kl_clip = bound * factor * factor
             observation = {}
@@ -602,6 +632,10 @@ def main(argv=None):
     parser.add_argument('--kl-step-adaptive', default=None,
                         help='base lrs of the same with the default '
                         'adaptive intervals (kfac_kl_step_adaptive)')
+    parser.add_argument('--kl-run', default=None,
+                        help='base lrs of the same with the KL change per '
+                        'step that the run\'s length sets (kfac_kl_run: '
+                        'KL_BUDGET over its steps)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -662,7 +696,8 @@ def main(argv=None):
             ('kfac_kl_graft', args.kl_graft,
              chainerkfac.optimizers.KFAC().kl_clip),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
-            ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP)):
+            ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
+            ('kfac_kl_run', args.kl_run, KL_BUDGET)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

@@ -87,9 +87,8 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
               # The same with the KL change per step that the run's length
               # sets: compare_shapes.KL_BUDGET over its steps.
               'kfac_doubly_kl_run': lambda batch, steps: dict(
-                  compare_shapes.kl_step_options(batch,
-                                                 'kfac_kl_step_adaptive'),
-                  kl_clip=compare_shapes.KL_BUDGET / steps,
+                  compare_shapes.kl_step_options(batch, 'kfac_kl_run',
+                                                 steps),
                   doubly_factored_from=WIDTH)}
 #: (channels, side) of the cost measurement's inputs.
 COST_SHAPES = ((256, 4), (256, 6), (256, 8), (512, 7))

@@ -235,6 +235,7 @@ def write_doc(full):
     lines += _shapes_section(shapes)
     lines += _polyak_section(load('polyak_shapes'))
     lines += _doubly_factored_section(load('doubly_factored'))
+    lines += _table1_section(load('table1'))
     lines += _float16_section(load('float16'))
     if dist:
         lines += ['## Distributed', '',
@@ -408,6 +409,23 @@ def _doubly_factored_section(payload):
                 'train_environment', {})}), '',
             doubly_factored.train_table(summary), '']
     return lines
+
+
+def _table1_section(payload):
+    """The paper's Table 1 in miniature (``table1.py``)."""
+    if not payload or not payload.get('summary'):
+        return []
+    shutil.copy(os.path.join(harness.results_dir(), payload['plot']),
+                os.path.join(FIGURES, payload['plot']))
+    return [
+        '## The paper\'s Table 1 in miniature', '',
+        'Command: `{}table1.py --batches B --jobs 2` (runs accumulate '
+        'across invocations; the script\'s docstring says what each row '
+        'is). compare_shapes.py\'s task and model; batch `B` stands '
+        'for the paper\'s `64 B` and runs its configuration scaled to '
+        'this task. The line below describes the last invocation.'.format(
+            PREFIX), '', _env_line(payload), '', payload['table'], '',
+        '![table1](benchmarks_figures/{})'.format(payload['plot']), '']
 
 
 def _float16_section(f16):
