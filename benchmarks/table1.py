@@ -259,13 +259,15 @@ def plot(summary, path):
         left.plot(batches, [row[b]['median_epochs'] for b in batches],
                   'o-', color=COLOURS[name], label=name)
         for b in batches:
+            # Each seed that reached the target (the median line skips a
+            # batch where half the seeds missed).
             done = [e for e in row[b]['epochs'] if e is not None]
-            if done:
-                left.vlines(b, min(done), max(done), color=COLOURS[name])
+            left.plot([b] * len(done), done, 'x', color=COLOURS[name])
         right.plot(batches, [numpy.mean(row[b]['final']) for b in batches],
                    'o-', color=COLOURS[name], label=name)
     left.set(xscale='log', yscale='log', xlabel='batch',
-             ylabel='epochs to {:.1%}'.format(summary['target']))
+             ylabel='epochs to {:.1%} (x: each seed)'.format(
+                 summary['target']))
     right.set(xscale='log', xlabel='batch', ylabel='final accuracy')
     for ax in (left, right):
         ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
