@@ -98,6 +98,11 @@ import models
 import shapes
 
 WEIGHT_DECAY = 5e-4
+#: The step of fixed KL change's options with the default adaptive
+#: intervals; its rows differ in the bound alone (``guard_options``).
+_KL_STEP_ADAPTIVE = {
+    'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
+    'inverse_interval': 1}
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
@@ -128,14 +133,10 @@ OPTIMIZERS = {
     'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1},
     # The same with the default adaptive intervals (named, so that a
     # script with intervals of its own gets them too).
-    'kfac_kl_step_adaptive': {
-        'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
-        'inverse_interval': 1},
+    'kfac_kl_step_adaptive': _KL_STEP_ADAPTIVE,
     # The same with the KL change per step that the run's length sets:
-    # KL_BUDGET over its steps.
-    'kfac_kl_run': {
-        'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
-        'inverse_interval': 1},
+    # KL_BUDGET over its steps (guard_options).
+    'kfac_kl_run': _KL_STEP_ADAPTIVE,
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -275,6 +276,8 @@ def train(spec, decays=(), schedule=None, options=None):
     numpy.random.seed(seed)
     model = models.TinyResNet(10)
     lr = base_lr * batch / 256
+    steps = len(x_tr) // batch
+    total, warmup = steps * epochs, steps * warmup_epochs
     if options is None:
         options = OPTIMIZERS[name]
     if options is not None and callable(options.get('step_rule')):
@@ -287,8 +290,7 @@ def train(spec, decays=(), schedule=None, options=None):
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
-        guard = guard_options(name, kl_clip, batch,
-                              len(x_tr) // batch * epochs)
+        guard = guard_options(name, kl_clip, batch, total)
         bound = guard['kl_clip']
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 **dict(options, **guard))
@@ -301,8 +303,6 @@ def train(spec, decays=(), schedule=None, options=None):
     reporter.add_observer('main', net)
     averages = {str(d): chainerkfac.PolyakAveraging(model, d)
                 for d in decays}
-    steps = len(x_tr) // batch
-    total, warmup = steps * epochs, steps * warmup_epochs
     rng = numpy.random.RandomState(seed)
     curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
     for epoch in range(1, epochs + 1):

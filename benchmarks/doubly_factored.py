@@ -206,9 +206,11 @@ def train(spec):
     numpy.random.seed(seed)
     model = VGGStyle()
     lr = base_lr * batch / 256
+    steps = len(x_tr) // batch
+    total, warmup = steps * epochs, steps * warmup_epochs
     options = OPTIMIZERS[name]
     if callable(options):
-        options = options(batch, len(x_tr) // batch * epochs)
+        options = options(batch, total)
     timer = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
@@ -219,8 +221,6 @@ def train(spec):
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
         compare_shapes.WEIGHT_DECAY))
-    steps = len(x_tr) // batch
-    total, warmup = steps * epochs, steps * warmup_epochs
     rng = numpy.random.RandomState(seed)
     curve, wall, it = [], 0.0, 0
     for epoch in range(1, epochs + 1):
