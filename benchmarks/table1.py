@@ -35,8 +35,10 @@ is MomentumSGD's). The target is
 ``sgd``'s best final accuracy over every batch less half a point. The
 critical batch of a row is the largest batch up to which its median epochs
 to the target stay within 1.5x of its smallest (Shallue et al. 2019);
-the report gives each K-FAC row's critical batch over MomentumSGD's and,
-at each batch, the better K-FAC row's median epochs over MomentumSGD's.
+the report gives each K-FAC row's critical batch over MomentumSGD's,
+each row's median epochs at its largest batch over those at its smallest
+and, at each batch, the better K-FAC row's median epochs over
+MomentumSGD's, and each row's median seconds to the target.
 Runs are kept in ``results/table1.json`` as they end; the plot goes to
 ``results/table1.png``.
 """
@@ -209,7 +211,9 @@ def summarise(runs):
                 rows.get('sgd', {}))},
             'critical_over_sgd': {
                 n: critical[n] / critical['sgd'] for n in KFAC_ROWS
-                if critical.get(n) and critical.get('sgd')}}
+                if critical.get(n) and critical.get('sgd')},
+            'largest_over_smallest': {n: largest_over_smallest(r)
+                                      for n, r in rows.items()}}
 
 
 def kfac_over_sgd(rows, batch):
@@ -226,6 +230,17 @@ def kfac_over_sgd(rows, batch):
     if math.isfinite(sgd['median_epochs']):
         return kfac / sgd['median_epochs'], ''
     return kfac / sgd['epoch_budget'], '<'
+
+
+def largest_over_smallest(row):
+    """The median epochs to the target at the row's largest batch over
+    those at its smallest (Table 1: 100 over 35); None unless both
+    reached it."""
+    largest = row[max(row)]['median_epochs']
+    smallest = row[min(row)]['median_epochs']
+    if math.isfinite(largest) and math.isfinite(smallest):
+        return largest / smallest
+    return None
 
 
 def critical_batch(row):
@@ -250,7 +265,8 @@ def report(summary):
     lines = ['Target {:.1%}: MomentumSGD\'s best final accuracy (at batch '
              '{}) less half a point. Per row: its best setting, epochs to '
              'the target per seed (`-`: missed), the final accuracy per '
-             'seed.'.format(summary['target'], summary['sgd_best_batch']),
+             'seed; the median seconds to the target.'.format(
+                 summary['target'], summary['sgd_best_batch']),
              '']
     batches = sorted({b for r in summary['rows'].values() for b in r})
     cells = []
@@ -259,10 +275,12 @@ def report(summary):
                                      epochs(batch))]
         for name in ROWS:
             v = summary['rows'].get(name, {}).get(batch)
-            cell.append('' if v is None else '{:g}: {} ({})'.format(
+            cell.append('' if v is None else '{:g}: {} ({}); {}'.format(
                 v['setting'], ', '.join('-' if e is None else str(e)
                                         for e in v['epochs']),
-                ', '.join('{:.3f}'.format(f) for f in v['final'])))
+                ', '.join('{:.3f}'.format(f) for f in v['final']),
+                '{:.0f} s'.format(v['median_seconds'])
+                if math.isfinite(v['median_seconds']) else '-'))
         ratio, bound = summary['kfac_over_sgd'].get(batch, (None, ''))
         cell.append(compare_shapes._ratio_text(ratio, bound))
         cells.append(cell)
@@ -276,6 +294,10 @@ def report(summary):
         + '; over MomentumSGD\'s: ' + (', '.join(
             '{} {:g}'.format(n, r)
             for n, r in summary['critical_over_sgd'].items()) or '-')
+        + '. Median epochs at the largest batch over those at the '
+        'smallest: ' + ', '.join(
+            '{} {}'.format(n, '-' if r is None else '{:.2f}'.format(r))
+            for n, r in summary['largest_over_smallest'].items())
         + '.']
     return '\n'.join(lines)
 
