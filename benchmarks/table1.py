@@ -35,10 +35,10 @@ is MomentumSGD's). The target is
 ``sgd``'s best final accuracy over every batch less half a point. The
 critical batch of a row is the largest batch up to which its median epochs
 to the target stay within 1.5x of its smallest (Shallue et al. 2019);
-the report gives each K-FAC row's critical batch over MomentumSGD's,
-each row's median epochs at its largest batch over those at its smallest
-and, at each batch, the better K-FAC row's median epochs over
-MomentumSGD's, and each row's median seconds to the target.
+the report gives, at each batch, each row's median seconds to the target
+and the better K-FAC row's median epochs over MomentumSGD's; each K-FAC
+row's critical batch over MomentumSGD's; and each row's median epochs at
+its largest batch over those at its smallest.
 Runs are kept in ``results/table1.json`` as they end; the plot goes to
 ``results/table1.png``.
 """
@@ -297,7 +297,8 @@ def report(summary):
         + '. Median epochs at the largest batch over those at the '
         'smallest: ' + ', '.join(
             '{} {}'.format(n, '-' if r is None else '{:.2f}'.format(r))
-            for n, r in summary['largest_over_smallest'].items())
+            for n, r in ((n, summary['largest_over_smallest'].get(n))
+                         for n in ROWS if n in critical))
         + '.']
     return '\n'.join(lines)
 
