@@ -190,13 +190,15 @@ REFRESHES = ('factor_refreshes', 'inverse_refreshes')
 
 
 def run(model_name, make_optimizer, seed, iterations, batchsize, data,
-        damping_at=None):
+        damping_at=None, trace=None):
     """Trains one model; returns its losses and final validation figures.
 
     ``damping_at(t)``, if given, sets K-FAC's damping before update ``t``
     (what a Trainer extension such as the ImageNet example's
     ``DampingWarmup`` does). K-FAC's factor and inverse refreshes are
-    counted (what its schedules made the run compute)."""
+    counted (what its schedules made the run compute). ``trace``, a list,
+    receives each update's training loss and K-FAC's reported
+    ``kfac/kl`` (the update-norm guard's ``q``; NaN for MomentumSGD)."""
     model, (x_train, y_train), (x_val, y_val) = classifier(model_name, data,
                                                            seed)
     optimizer = make_optimizer()
@@ -225,6 +227,9 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
         for key in refreshes:
             refreshes[key] += int(observation.get('kfac/' + key, 0))
         losses.append(float(model.loss.array))
+        if trace is not None:
+            trace.append((losses[-1], float(observation.get('kfac/kl',
+                                                            numpy.nan))))
     seconds = time.perf_counter() - start
     with chainer.using_config('train', False), \
             chainer.no_backprop_mode():
