@@ -52,6 +52,13 @@ intervals (``kfac_kl_step_adaptive``); ``--kl-run LRS`` the latter with the
 KL change per step that the run's length ``T`` sets, ``KL_BUDGET / T``
 (``kfac_kl_run``; at 20 epochs, about ``kfac_kl_step_adaptive``'s).
 
+``--layer-graft LRS`` adds the one-line swap with layer-wise grafting
+(``kfac_layer_graft``: the defaults with ``step_rule='graft'``, each
+layer's step as long as SGD's) and ``--layer-graft-average LRS`` the same
+with each layer's lengths from running averages
+(``kfac_layer_graft_average``: ``AveragedGraft``), both under the
+defaults' guard.
+
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
 (``kfac_quadratic_model``: ``step_rule='adaptive'``, Martens & Grosse
@@ -137,6 +144,11 @@ OPTIMIZERS = {
     # The same with the KL change per step that the run's length sets:
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
+    # Layer-wise grafting under the defaults' guard: each step's norms,
+    # and their running averages (a class: each run gets a rule of its
+    # own).
+    'kfac_layer_graft': {'step_rule': 'graft'},
+    'kfac_layer_graft_average': {'step_rule': lambda: AveragedGraft()},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -149,7 +161,11 @@ OPTIMIZERS = {
 }
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
-         'kfac_kl_step_adaptive', 'kfac_kl_run')
+         'kfac_kl_step_adaptive', 'kfac_kl_run', 'kfac_layer_graft',
+         'kfac_layer_graft_average')
+#: The swaps under the defaults' guard (``guard_options``).
+DEFAULT_GUARD = ('kfac_kl_graft', 'kfac_layer_graft',
+                 'kfac_layer_graft_average')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
 #: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
@@ -158,13 +174,15 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
         'kfac') + STALE + ('kfac_kl_graft', 'kfac_quadratic_model',
                            'kfac_quadratic_model_floor', 'kfac_reference',
                            'kfac_kl_step', 'kfac_kl_step_adaptive',
-                           'kfac_kl_run')
+                           'kfac_kl_run', 'kfac_layer_graft',
+                           'kfac_layer_graft_average')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
-                          'navy', 'darkgoldenrod', 'olive', 'teal')))
+                          'navy', 'darkgoldenrod', 'olive', 'teal',
+                          'sienna', 'darkviolet')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
@@ -175,15 +193,15 @@ KL_STEP_CLIP = 5e-4
 
 def guard_options(name, kl_clip, batch, steps=None):
     """The update-norm guard's options of row ``name``'s K-FAC at global
-    batch ``batch``. Every row but the defaults' (``kfac_kl_graft``) and
-    those of the step of fixed KL change keeps the bound as the library
-    had it when the row was measured: fixed (the
+    batch ``batch``. Every row but those under the defaults' guard
+    (:data:`DEFAULT_GUARD`) and those of the step of fixed KL change keeps
+    the bound as the library had it when the row was measured: fixed (the
     schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
     ``(B / 64)²`` times that above, without the default's cap
     (``update_norm.GROWN_MAX``). The step of fixed KL change's grows like
     ``B`` and follows the schedule; ``kfac_kl_run``'s is ``kl_clip`` (the
     budget) over the run's ``steps``."""
-    if name == 'kfac_kl_graft' or kl_clip is None:
+    if name in DEFAULT_GUARD or kl_clip is None:
         return {'kl_clip': kl_clip}
     if name == 'kfac_kl_run':
         return {'kl_clip': kl_clip / steps, 'kl_clip_batch': None}
@@ -229,6 +247,34 @@ class UnitsProbe(chainerkfac.step_rule.Natural):
         self.kl_graft_scales.append(float(
             chainerkfac.step_rule.KLGraft().scales(terms)[0]))
         return super().scales(terms)
+
+
+class AveragedGraft(chainerkfac.step_rule.StepRule):
+    """Layer-wise grafting (:class:`chainerkfac.step_rule.Graft`) of
+    running averages::
+
+        ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)),
+        m_t(x) = DECAY · m_{t−1}(x) + (1 − DECAY) · x_t,  m_1(x) = x_1
+
+    so that each layer's step is as long as SGD's over the last
+    ``1 / (1 − DECAY)`` steps or so, while from step to step its length
+    moves with ``‖V_b‖``, as the natural step's does."""
+
+    name = 'graft_average'
+    DECAY = 0.99
+
+    def __init__(self):
+        self.averages = None
+
+    def scales(self, terms):
+        norms = terms[:, 1:3].astype(float)  # ⟨V, V⟩, ⟨g, g⟩
+        if self.averages is None or len(self.averages) != len(norms):
+            self.averages = norms.copy()
+        else:
+            self.averages = (self.DECAY * self.averages
+                             + (1 - self.DECAY) * norms)
+        return chainerkfac.step_rule.Graft().scales(
+            numpy.concatenate([terms[:, :1], self.averages], axis=1))
 
 
 def schedule_factor(iteration, total, warmup):
@@ -636,6 +682,12 @@ def main(argv=None):
                         help='base lrs of the same with the KL change per '
                         'step that the run\'s length sets (kfac_kl_run: '
                         'KL_BUDGET over its steps)')
+    parser.add_argument('--layer-graft', default=None,
+                        help='base lrs of the defaults with layer-wise '
+                        "grafting (kfac_layer_graft: step_rule='graft')")
+    parser.add_argument('--layer-graft-average', default=None,
+                        help='base lrs of the same from running averages '
+                        '(kfac_layer_graft_average: AveragedGraft)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -697,7 +749,11 @@ def main(argv=None):
              chainerkfac.optimizers.KFAC().kl_clip),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
             ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
-            ('kfac_kl_run', args.kl_run, KL_BUDGET)):
+            ('kfac_kl_run', args.kl_run, KL_BUDGET),
+            ('kfac_layer_graft', args.layer_graft,
+             chainerkfac.optimizers.KFAC().kl_clip),
+            ('kfac_layer_graft_average', args.layer_graft_average,
+             chainerkfac.optimizers.KFAC().kl_clip)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches
