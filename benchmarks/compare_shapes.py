@@ -145,8 +145,8 @@ OPTIMIZERS = {
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
     # Layer-wise grafting under the defaults' guard: each step's norms,
-    # and their running averages (a class: each run gets a rule of its
-    # own).
+    # and their running averages (built per run: each run gets averages
+    # of its own).
     'kfac_layer_graft': {'step_rule': 'graft'},
     'kfac_layer_graft_average': {'step_rule': lambda: AveragedGraft()},
     # The step length, momentum and damping from the loss's quadratic model
