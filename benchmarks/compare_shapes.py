@@ -56,8 +56,8 @@ KL change per step that the run's length ``T`` sets, ``KL_BUDGET / T``
 (``kfac_layer_graft``: the defaults with ``step_rule='graft'``, each
 layer's step as long as SGD's) and ``--layer-graft-average LRS`` the same
 with each layer's lengths from running averages
-(``kfac_layer_graft_average``: ``AveragedGraft``), both under the
-defaults' guard.
+(``kfac_layer_graft_average``: ``step_rule='graft_average'``), both under
+the defaults' guard.
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -145,10 +145,9 @@ OPTIMIZERS = {
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
     # Layer-wise grafting under the defaults' guard: each step's norms,
-    # and their running averages (built per run: each run gets averages
-    # of its own).
+    # and their running averages.
     'kfac_layer_graft': {'step_rule': 'graft'},
-    'kfac_layer_graft_average': {'step_rule': lambda: AveragedGraft()},
+    'kfac_layer_graft_average': {'step_rule': 'graft_average'},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -247,34 +246,6 @@ class UnitsProbe(chainerkfac.step_rule.Natural):
         self.kl_graft_scales.append(float(
             chainerkfac.step_rule.KLGraft().scales(terms)[0]))
         return super().scales(terms)
-
-
-class AveragedGraft(chainerkfac.step_rule.StepRule):
-    """Layer-wise grafting (:class:`chainerkfac.step_rule.Graft`) of
-    running averages::
-
-        ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)),
-        m_t(x) = DECAY · m_{t−1}(x) + (1 − DECAY) · x_t,  m_1(x) = x_1
-
-    so that each layer's step is as long as SGD's over the last
-    ``1 / (1 − DECAY)`` steps or so, while from step to step its length
-    moves with ``‖V_b‖``, as the natural step's does."""
-
-    name = 'graft_average'
-    DECAY = 0.99
-
-    def __init__(self):
-        self.averages = None
-
-    def scales(self, terms):
-        norms = terms[:, 1:3].astype(float)  # ⟨V, V⟩, ⟨g, g⟩
-        if self.averages is None or len(self.averages) != len(norms):
-            self.averages = norms.copy()
-        else:
-            self.averages = (self.DECAY * self.averages
-                             + (1 - self.DECAY) * norms)
-        return chainerkfac.step_rule.Graft().scales(
-            numpy.concatenate([terms[:, :1], self.averages], axis=1))
 
 
 def schedule_factor(iteration, total, warmup):
@@ -687,7 +658,8 @@ def main(argv=None):
                         "grafting (kfac_layer_graft: step_rule='graft')")
     parser.add_argument('--layer-graft-average', default=None,
                         help='base lrs of the same from running averages '
-                        '(kfac_layer_graft_average: AveragedGraft)')
+                        "(kfac_layer_graft_average: step_rule="
+                        "'graft_average')")
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')

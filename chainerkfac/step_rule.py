@@ -48,10 +48,22 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
   the loss is largest (Amari 1998, as Ba et al. 2017 §2.2 restate it),
   where a shortened grafted step spends the same KL change on a worse
   direction.
+* :class:`GraftAverage` (``'graft_average'``): :class:`Graft` of running
+  averages of the sums::
+
+      ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)),
+      m_t(x) = δ m_{t−1}(x) + (1 − δ) x_t,    m_1(x) = x_1,  δ = 0.99
+
+  Each layer's step is as long as SGD's over about the last
+  ``1 / (1 − δ)`` steps, while from one step to the next its length moves
+  with ``‖V_b‖``, as the natural step's does, where grafting each step's
+  norms fixes it to SGD's. The averages are the rule's state, kept in
+  snapshots.
 
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
 """
+import chainer
 from chainer import backend
 import numpy
 
@@ -121,6 +133,10 @@ class StepRule:
         ``(blocks, N_TERMS)`` of the sums over every process."""
         raise NotImplementedError
 
+    def serialize(self, serializer):
+        """Saves or loads the rule's state between steps (none but
+        :class:`GraftAverage`'s)."""
+
     def __repr__(self):
         return repr(self.name)
 
@@ -164,7 +180,45 @@ class KLGraft(StepRule):
                           numpy.sqrt((grafted ** 2 * vg).sum() / total))
 
 
-RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft)}
+class GraftAverage(StepRule):
+    """``ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²))``, ``m_t`` running averages
+    of decay :attr:`decay`: :class:`Graft` of the averages."""
+
+    name = 'graft_average'
+    #: ``δ``: the averages span about the last ``1 / (1 − δ)`` steps.
+    decay = 0.99
+
+    def __init__(self):
+        #: ``(blocks, 2)``: ``m_t(‖V_b‖²)``, ``m_t(‖g_b‖²)``; ``None``
+        #: before the first step.
+        self.averages = None
+
+    def scales(self, terms):
+        norms = numpy.asarray(terms, dtype=float)[:, 1:3]
+        if self.averages is None or self.averages.shape != norms.shape:
+            self.averages = norms.copy()
+        else:
+            self.averages = (self.decay * self.averages
+                             + (1 - self.decay) * norms)
+        return Graft().scales(
+            numpy.concatenate([terms[:, :1], self.averages], axis=1))
+
+    def serialize(self, serializer):
+        """Saves or loads the averages (a snapshot without them starts
+        them afresh at the next step)."""
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            serializer('averages', numpy.zeros((0, 2))
+                       if self.averages is None else self.averages)
+            return
+        try:
+            value = serializer('averages', None)
+        except KeyError:
+            value = None  # written under another rule, or by older code
+        value = None if value is None else numpy.asarray(value, float)
+        self.averages = value if value is not None and value.size else None
+
+
+RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft, GraftAverage)}
 
 
 def register(rule):

@@ -66,7 +66,9 @@ def assert_identical(straight, resumed):
     ('cholesky', ['--doubly-factored-from', '144']),
     # The relative bound's m_t: a resume that restarted it from step 5's q
     # would move fc's weights by 0.06.
-    ('cholesky', ['--kl-clip', '1e-5', '--kl-clip-relative', '1'])])
+    ('cholesky', ['--kl-clip', '1e-5', '--kl-clip-relative', '1']),
+    # The step rule's running averages of the layers' norms.
+    ('cholesky', ['--step-rule', 'graft_average'])])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     k = 5
     straight = run(tmp_path, 'straight', 0, 2 * k, inverse, extra=extra)
@@ -82,6 +84,8 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     for factor in factors:
         assert 'optimizer/kfac/fc/' + factor in keys, factor
     assert 'optimizer/kfac/guard/smallest_q_over_lr2' in keys
+    if 'graft_average' in extra:
+        assert 'optimizer/kfac/step_rule/averages' in keys
 
 
 def test_distributed_resume_equals_uninterrupted_run(tmp_path):

@@ -152,6 +152,46 @@ def test_graft_scales_from_sums():
     assert list(step_rule.Natural().scales(terms)) == [1.0, 1.0]
 
 
+def test_graft_average_scales_from_running_averages():
+    # ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)), m_1 = the first sums, then
+    # m_t = 0.99 m_{t-1} + 0.01 x_t; a block whose averaged V is zero
+    # keeps ρ = 1. Checked against the averages written out step by step.
+    rng = numpy.random.RandomState(0)
+    rule = step_rule.get('graft_average')
+    vv_avg = gg_avg = None
+    for t in range(30):
+        terms = rng.uniform(0.1, 5.0, size=(3, 3))
+        terms[2] = 0.0  # a block with a zero gradient throughout
+        vv, gg = terms[:, 1], terms[:, 2]
+        if t == 0:
+            vv_avg, gg_avg = vv.copy(), gg.copy()
+        else:
+            vv_avg = 0.99 * vv_avg + 0.01 * vv
+            gg_avg = 0.99 * gg_avg + 0.01 * gg
+        expected = [numpy.sqrt(gg_avg[0] / vv_avg[0]),
+                    numpy.sqrt(gg_avg[1] / vv_avg[1]), 1.0]
+        numpy.testing.assert_allclose(rule.scales(terms), expected,
+                                      rtol=1e-12)
+    # Its averages survive a snapshot: a rule loaded from it takes the
+    # next step's scales as the saved one does.
+    saved = chainer.serializers.DictionarySerializer()
+    rule.serialize(saved)
+    loaded = step_rule.GraftAverage()
+    loaded.serialize(chainer.serializers.NpzDeserializer(saved.target))
+    terms = rng.uniform(0.1, 5.0, size=(3, 3))
+    numpy.testing.assert_array_equal(loaded.scales(terms.copy()),
+                                     rule.scales(terms.copy()))
+    # A snapshot without averages (saved before the first step, or under
+    # another rule) starts them afresh.
+    before = chainer.serializers.DictionarySerializer()
+    step_rule.GraftAverage().serialize(before)
+    for target in (before.target, {}):
+        fresh = step_rule.GraftAverage()
+        fresh.averages = numpy.ones((3, 2))
+        fresh.serialize(chainer.serializers.NpzDeserializer(target))
+        assert fresh.averages is None
+
+
 def test_step_rule_option_is_checked_and_shown():
     with pytest.raises(ValueError, match="step_rule must be one of 'graft'"):
         chainerkfac.optimizers.KFAC(step_rule='sgd')

@@ -384,6 +384,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._monitor.serialize(state['divergence'])
         if self.step_rule.chooses_update:
             self.step_rule.serialize(state['adaptive'], self.damping)
+        else:
+            self.step_rule.serialize(state['step_rule'])
         self.serialize_checks(state['nonfinite'])
         names = {block.name for block in self.blocks}
         if isinstance(found, tuple):
