@@ -715,17 +715,16 @@ def main(argv=None):
                   for seed in range(args.seeds) for batch in batches
                   for name in ('kfac_quadratic_model',
                                'kfac_quadratic_model_floor')]
+    default_bound = chainerkfac.optimizers.KFAC().kl_clip
     for name, lrs, bound in (
             ('kfac_reference', args.reference, None),
-            ('kfac_kl_graft', args.kl_graft,
-             chainerkfac.optimizers.KFAC().kl_clip),
+            ('kfac_kl_graft', args.kl_graft, default_bound),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
             ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
             ('kfac_kl_run', args.kl_run, KL_BUDGET),
-            ('kfac_layer_graft', args.layer_graft,
-             chainerkfac.optimizers.KFAC().kl_clip),
+            ('kfac_layer_graft', args.layer_graft, default_bound),
             ('kfac_layer_graft_average', args.layer_graft_average,
-             chainerkfac.optimizers.KFAC().kl_clip)):
+             default_bound)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

@@ -109,16 +109,15 @@ def trace_run(model_name, lr, seed, data, iterations, batchsize):
 
 
 def analyse(run):
-    """A traced run's largest ``q``, damage step, and each criterion's
-    first binding step and share of steps."""
+    """A traced run's damage step, and each criterion's first binding
+    step and share of steps."""
     loss, q = (numpy.array(run[k], dtype=float) for k in ('loss', 'q'))
     bound = {}
     for name, binds in criteria(loss, q).items():
         steps = numpy.flatnonzero(binds)
         bound[name] = {'first': int(steps[0]) if len(steps) else None,
                        'share': float(binds.mean())}
-    return {'q_max': float(numpy.nanmax(q)), 'damage_step': damage_step(loss),
-            'criteria': bound}
+    return {'damage_step': damage_step(loss), 'criteria': bound}
 
 
 def summarise(runs):
