@@ -42,6 +42,10 @@ def assert_same_parameters(got, expected, what):
     ('cholesky', 'graft', 'expanded', []),
     ('eigen', 'graft', 'expanded', []),
     ('cholesky', 'natural', 'expanded', []),
+    # One scale for all blocks, from every rank's gathered sums.
+    ('cholesky', 'kl_graft', 'expanded', []),
+    # Running averages of the gathered sums, the same on every rank.
+    ('cholesky', 'graft_average', 'expanded', []),
     ('cholesky', 'graft', 'reduced', []),
     # fc1 doubly factored (Ψ ⊗ K ⊗ G, Ba et al. 2017 §4; explicit
     # inverses under either inverse option).
