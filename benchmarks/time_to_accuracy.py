@@ -185,6 +185,10 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'kl_graft',
                   'kl_clip_follows_lr': True},
+              # The defaults with layer-wise grafting of running averages.
+              'kfac_adaptive_graft_average': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'graft_average'},
               # The defaults with the damping 1e-2 · 64 / 512: one falling
               # like 1 / B from batch 64, at batch 512.
               'kfac_adaptive_d1.25e-3': {
