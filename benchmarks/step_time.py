@@ -111,6 +111,11 @@ CONFIGS = {
     'kfac_adaptive': ('K-FAC, Adaptive() factors, inverses when changed',
                       _kfac(factor_interval=schedules.Adaptive(),
                             inverse_interval=1), None),
+    'kfac_adaptive_graft_average': (
+        "K-FAC, Adaptive() factors, inverses when changed, "
+        "step_rule='graft_average'",
+        _kfac(factor_interval=schedules.Adaptive(), inverse_interval=1,
+              step_rule='graft_average'), None),
     'kfac_1_sub2': ('K-FAC, refresh every step, spatial_subsample=2',
                     _kfac(spatial_subsample=2), None),
     'kfac_10_100_sub2': ('K-FAC, factors every 10, inverses every 100, '
