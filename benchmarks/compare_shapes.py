@@ -18,11 +18,12 @@ update-norm guard's bound follows the schedule's squared factor, as the
 guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
 nor the decay.
 
-``--kl-graft LRS`` adds the one-line swap at the defaults
-(``kfac_kl_graft``: ``KFAC(lr, momentum)``, the natural direction at the
-grafted step's KL change, its bound following the schedule) at the base
-learning rates given, typically MomentumSGD's best. ``--graft LRS`` adds
-the one-line swap at the defaults before it (``kfac_graft``: the grafted
+``--kl-graft LRS`` adds the one-line swap at the defaults before
+``graft_average`` (``kfac_kl_graft``: ``KFAC(lr, momentum,
+step_rule='kl_graft')``, the natural direction at the grafted step's KL
+change, its bound following the schedule) at the base learning rates
+given, typically MomentumSGD's best. ``--graft LRS`` adds
+the one-line swap at the defaults before that (``kfac_graft``: the grafted
 step, whose length follows the learning rate as MomentumSGD's does, the
 safety bound fixed at 1e-2 or ``--graft-kl-clips``, adaptive intervals)
 at the base learning rates given, typically MomentumSGD's grid; the
@@ -34,7 +35,7 @@ kl_clip_follows_lr=True)`` takes, whose bound follows the schedule's square
 as the grid's does. ``--reference LRS`` adds K-FAC tuned by hand
 (``kfac_reference``: the natural step, damping 1e-3, factors every step,
 no guard); each of its epochs records ``kl_graft_equivalent_lr``, the
-base learning rate at which the default step rule (``kl_graft``) would
+base learning rate at which the step rule ``kl_graft`` would
 scale its natural step to the length it took (median, 10th and 90th
 percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
 are the natural step (``step_rule='natural'``), the default before
@@ -56,8 +57,8 @@ KL change per step that the run's length ``T`` sets, ``KL_BUDGET / T``
 (``kfac_layer_graft``: the defaults with ``step_rule='graft'``, each
 layer's step as long as SGD's) and ``--layer-graft-average LRS`` the same
 with each layer's lengths from running averages
-(``kfac_layer_graft_average``: ``step_rule='graft_average'``), both under
-the defaults' guard.
+(``kfac_layer_graft_average``: ``step_rule='graft_average'``, the
+defaults: ``KFAC(lr, momentum)``), both under the defaults' guard.
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -109,7 +110,7 @@ WEIGHT_DECAY = 5e-4
 #: intervals; its rows differ in the bound alone (``guard_options``).
 _KL_STEP_ADAPTIVE = {
     'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
-    'inverse_interval': 1}
+    'inverse_interval': 1, 'step_rule': 'kl_graft'}
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
@@ -117,10 +118,10 @@ OPTIMIZERS = {
     # as MomentumSGD's per layer (step_rule 'graft'), the bound fixed at
     # GRAFT_KL_CLIP.
     'kfac_graft': {'step_rule': 'graft'},
-    # The one-line swap: KFAC(lr, momentum) at the defaults, the natural
+    # The one-line swap under the default before graft_average: the natural
     # direction at the grafted step's KL change, the bound following the
     # schedule and growing like B.
-    'kfac_kl_graft': {},
+    'kfac_kl_graft': {'step_rule': 'kl_graft'},
     # The natural-gradient step under the update-norm guard (the default
     # before grafting), factors every step.
     'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
@@ -134,10 +135,11 @@ OPTIMIZERS = {
     # factors every step, no guard.
     'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
                        'damping': 1e-3},
-    # A step of fixed KL change: the defaults' direction with the
+    # A step of fixed KL change: kl_graft's direction with the
     # reference's damping and factors, the bound growing like B
     # (guard_options) and following the schedule, binding on most steps.
-    'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1},
+    'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1,
+                     'step_rule': 'kl_graft'},
     # The same with the default adaptive intervals (named, so that a
     # script with intervals of its own gets them too).
     'kfac_kl_step_adaptive': _KL_STEP_ADAPTIVE,
@@ -145,7 +147,7 @@ OPTIMIZERS = {
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
     # Layer-wise grafting under the defaults' guard: each step's norms,
-    # and their running averages.
+    # and their running averages (the one-line swap: the defaults).
     'kfac_layer_graft': {'step_rule': 'graft'},
     'kfac_layer_graft_average': {'step_rule': 'graft_average'},
     # The step length, momentum and damping from the loss's quadratic model
@@ -234,7 +236,7 @@ _DATA = {}
 
 class UnitsProbe(chainerkfac.step_rule.Natural):
     """The natural step (``kfac_reference``'s), recording at every step
-    the scale ``ρ`` the default rule (``kl_graft``) would take: the run's
+    the scale ``ρ`` the rule ``kl_graft`` would take: the run's
     step ``η V`` is the default's ``η' ρ V`` at ``η' = η / ρ``, so
     ``base_lr / ρ`` is the base learning rate, in MomentumSGD's units, at
     which the one-line swap would take the reference's step."""
@@ -638,7 +640,7 @@ def main(argv=None):
                         'grid')
     parser.add_argument('--kl-graft', default=None,
                         help='base lrs of the one-line swap at the '
-                        'defaults (kfac_kl_graft)')
+                        'defaults before graft_average (kfac_kl_graft)')
     parser.add_argument('--reference', default=None,
                         help='base lrs of the natural step, damping 1e-3, '
                         'factors every step, no guard (kfac_reference)')
@@ -659,7 +661,7 @@ def main(argv=None):
     parser.add_argument('--layer-graft-average', default=None,
                         help='base lrs of the same from running averages '
                         "(kfac_layer_graft_average: step_rule="
-                        "'graft_average')")
+                        "'graft_average', the defaults)")
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')

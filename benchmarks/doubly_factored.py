@@ -35,7 +35,8 @@ decay 5e-4, momentum 0.9; 10 epochs of 8,000 images): MomentumSGD over a
 grid of base learning rates (``--lrs-sgd``), and the grafted step, the
 defaults before ``kl_graft`` (``kfac``: fc1's block ``A ⊗ G``, ``A``
 9,217 x 9,217), the same with ``doubly_factored_from=8192``
-(``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36) and the defaults with it
+(``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36), the defaults with it
+(``kfac_doubly_graft_average``) and the defaults before them
 (``kfac_doubly_kl_graft``), at ``--lrs-kfac``: MomentumSGD's best and
 K-FAC's own. Each run
 keeps its per-epoch validation accuracy and loss, training seconds and
@@ -71,9 +72,14 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
               'kfac_doubly_rel10': dict(harness.GRAFTED,
                                         doubly_factored_from=WIDTH,
                                         kl_clip_relative=10),
-              # The defaults: the natural direction at the grafted step's
-              # KL change, the bound following the schedule.
-              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH},
+              # The default before graft_average: the natural direction at
+              # the grafted step's KL change, the bound following the
+              # schedule.
+              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH,
+                                       'step_rule': 'kl_graft'},
+              # The defaults: layer-wise grafting of running averages.
+              'kfac_doubly_graft_average': {'doubly_factored_from': WIDTH,
+                                            'step_rule': 'graft_average'},
               # compare_shapes' step of fixed KL change (a function of the
               # batch and the run's steps: the bound grows like the batch).
               'kfac_doubly_kl_step': lambda batch, steps: dict(

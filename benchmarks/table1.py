@@ -16,8 +16,11 @@ budget grows with the batch as the paper's did: its epochs times 20/35
 - ``sgd``: MomentumSGD with ``compare_shapes.py``'s large-batch recipe
   (``lr = base · B / 256``, 2 epochs of warm-up, cosine decay to 0,
   momentum 0.9), its base learning rate over ``--lrs-sgd``;
-- ``kfac_kl_graft``: the one-line swap, ``KFAC(lr, 0.9)`` at the defaults,
-  with the same recipe at ``sgd``'s best base learning rate at that batch;
+- ``kfac_layer_graft_average``: the one-line swap, ``KFAC(lr, 0.9)`` at
+  the defaults (``step_rule='graft_average'``), with the same recipe at
+  ``sgd``'s best base learning rate at that batch;
+- ``kfac_kl_graft``: the same swap at the defaults before,
+  ``step_rule='kl_graft'``;
 - ``kfac_paper``: the paper's recipe at that batch: the natural step, no
   guard, factors every step (``cov_ema_decay`` 0), the diagonal BatchNorm
   Fisher with its damping times 16, the polynomial learning-rate decay, the
@@ -30,7 +33,7 @@ Every row has weight decay 5e-4 (the paper: none, and weight rescaling;
 mixup and random erasing are not used here). Each row's grid runs seed 0,
 doubled (halved) past its largest (smallest) setting while that is the
 best, so that the best lies inside; then ``SEEDS`` seeds run at
-each row's best setting (the highest seed-0 final accuracy; the swap's
+each row's best setting (the highest seed-0 final accuracy; the swaps'
 is MomentumSGD's). The target is
 ``sgd``'s best final accuracy over every batch less half a point. The
 critical batch of a row is the largest batch up to which its median epochs
@@ -72,9 +75,11 @@ EPOCH_SCALE = 20 / 35
 WARMUP_EPOCHS = 2
 #: Seeds at each row's best setting.
 SEEDS = 2
-ROWS = ('sgd', 'kfac_kl_graft', 'kfac_paper')
+ROWS = ('sgd', 'kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_paper')
 KFAC_ROWS = ROWS[1:]
-COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'crimson')))
+#: The one-line swaps: at MomentumSGD's best learning rate at each batch.
+SWAPS = ('kfac_layer_graft_average', 'kfac_kl_graft')
+COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:grey', 'crimson')))
 
 
 def config(batch):
@@ -162,7 +167,7 @@ def reused_runs():
 
 def best_settings(runs):
     """``{(batch, row): (setting, its runs)}``: the setting of the highest
-    seed-0 final accuracy (the grids run seed 0), the swap at MomentumSGD's,
+    seed-0 final accuracy (the grids run seed 0), the swaps at MomentumSGD's,
     and the runs there of seeds below ``SEEDS``."""
     chosen = {}
     for run in runs:
@@ -172,7 +177,7 @@ def best_settings(runs):
             chosen[key] = (final, run['setting'])
     best = {}
     for (batch, name), (_, setting) in chosen.items():
-        if name == 'kfac_kl_graft':
+        if name in SWAPS:
             if (batch, 'sgd') not in chosen:
                 continue
             setting = chosen[batch, 'sgd'][1]
@@ -286,7 +291,8 @@ def report(summary):
         cells.append(cell)
     lines.append(harness.table(cells, [
         'batch (steps an epoch, epochs)', 'MomentumSGD (base lr)',
-        'one-line swap (base lr)', 'paper\'s recipe (lr multiplier)',
+        'one-line swap (base lr)', 'swap, kl_graft (base lr)',
+        'paper\'s recipe (lr multiplier)',
         'better K-FAC / MomentumSGD (median epochs)']))
     critical = summary['critical_batch']
     lines += ['', 'Critical batch: ' + ', '.join(
@@ -372,7 +378,8 @@ def pending(runs, args, batches):
         if done.issuperset(grid):
             # The swap as a MomentumSGD user makes it: at the learning
             # rate tuned for MomentumSGD.
-            specs.append(('kfac_kl_graft', best[batch, 'sgd'][0], batch, 0))
+            specs += [(name, best[batch, 'sgd'][0], batch, 0)
+                      for name in SWAPS]
     specs = [s for s in specs if s not in done]
     if specs:
         return specs

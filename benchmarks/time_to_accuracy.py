@@ -179,13 +179,16 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'inverse_interval': 1, 'kl_clip_relative': 10,
                   **harness.GRAFTED},
               # The natural direction at the grafted step's KL change, the
-              # bound following the learning rate's schedule (the defaults
-              # but the bound, grown like B² when measured).
+              # bound following the learning rate's schedule: the defaults
+              # before graft_average (the bound grown like B² when first
+              # measured).
               'kfac_adaptive_kl_graft': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'kl_graft',
                   'kl_clip_follows_lr': True},
-              # The defaults with layer-wise grafting of running averages.
+              # Layer-wise grafting of running averages: the defaults
+              # since the graft_average variant (whose kfac_adaptive row
+              # ran under kl_graft).
               'kfac_adaptive_graft_average': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'graft_average'},
@@ -196,13 +199,14 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'inverse_interval': 1, 'damping': 1.25e-3},
               # K-FAC tuned by hand (at --kfac-intervals 1,1: factors every
               # step): the natural step, no guard, damping 1e-3 or 1e-2;
-              # the one-line swap's step rule without the guard.
+              # kl_graft without the guard.
               'kfac_reference': {'step_rule': 'natural', 'damping': 1e-3,
                                  'kl_clip': None},
               'kfac_reference_d1e-2': {'step_rule': 'natural',
                                        'kl_clip': None},
               'kfac_kl_graft_no_guard_d1e-3': {'damping': 1e-3,
-                                               'kl_clip': None},
+                                               'kl_clip': None,
+                                               'step_rule': 'kl_graft'},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
               # rate is not used, no guard.

@@ -19,8 +19,9 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   hundreds of steps), and the :class:`StallWarning` says what helps: a
   larger ``kl_clip``, the bound relative to the run's own steps
   (``kl_clip_relative``, :class:`chainerkfac.update_norm.RelativeBound`),
-  or, instead of the natural step, the default ``step_rule='kl_graft'``,
-  whose length follows the learning rate. Lowering the learning rate or
+  or, instead of the natural step, the default step rule
+  (:data:`chainerkfac.step_rule.DEFAULT`), whose length follows the
+  learning rate. Lowering the learning rate or
   ``kl_clip`` would only shorten the steps further.
 
 Each kind of warning is given once. The monitor's state (the first and
@@ -33,6 +34,8 @@ import math
 import warnings
 
 import chainer
+
+from chainerkfac import step_rule
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +93,11 @@ class DivergenceMonitor:
                 self._diverges(step, (
                     'the training loss {:.4g} is over {:g} times the first '
                     'loss {:.4g}; lower the learning rate (under the default '
-                    "step_rule='kl_graft' K-FAC's learning rate has "
+                    "step_rule={!r} K-FAC's learning rate has "
                     "MomentumSGD's units), or bound the steps with kl_clip "
                     '(docs/guide/tuning.md)').format(
-                        loss, LOSS_GROWTH, self.first_loss))
+                        loss, LOSS_GROWTH, self.first_loss,
+                        step_rule.DEFAULT))
         self.hard_clips = self.hard_clips + 1 \
             if update_scale < HARD_SCALE else 0
         if self.hard_clips >= PATIENCE:
@@ -152,10 +156,10 @@ class DivergenceMonitor:
             'at learning rates of 0.1 or less, set kl_clip_relative=10, '
             "which bounds the steps relative to the run's smallest instead "
             "of by kl_clip alone; instead of step_rule='natural', use the "
-            "default step_rule='kl_graft', whose steps follow the learning "
+            "default step_rule={!r}, whose steps follow the learning "
             'rate; lowering the learning rate or kl_clip would shorten the '
-            'steps further (docs/guide/tuning.md)').format(step, clipped,
-                                                           loss))
+            'steps further (docs/guide/tuning.md)').format(
+                step, clipped, loss, step_rule.DEFAULT))
 
     def _warn(self, category, message):
         if category not in self.warned:

@@ -33,7 +33,7 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g``, whose length the learning rate, the curvature and the
   damping set together (and the guard, where it binds).
-* :class:`KLGraft` (``'kl_graft'``, the default): the natural step's
+* :class:`KLGraft` (``'kl_graft'``): the natural step's
   direction over all blocks together, with the KL change of the grafted
   step: one scale for every block, ::
 
@@ -48,8 +48,8 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
   the loss is largest (Amari 1998, as Ba et al. 2017 §2.2 restate it),
   where a shortened grafted step spends the same KL change on a worse
   direction.
-* :class:`GraftAverage` (``'graft_average'``): :class:`Graft` of running
-  averages of the sums::
+* :class:`GraftAverage` (``'graft_average'``, the default): :class:`Graft`
+  of running averages of the sums::
 
       ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)),
       m_t(x) = δ m_{t−1}(x) + (1 − δ) x_t,    m_1(x) = x_1,  δ = 0.99
@@ -219,6 +219,8 @@ class GraftAverage(StepRule):
 
 
 RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft, GraftAverage)}
+#: The rule ``KFAC`` takes unless told otherwise.
+DEFAULT = GraftAverage.name
 
 
 def register(rule):

@@ -99,7 +99,7 @@ def test_guard_setting_every_step_of_a_flat_run_is_a_stall_not_divergence():
         monitor.observe(step, 1.95, update_scale=1e-4)
     message = str(caught[0].message)
     assert 'stalls' in message and 'diverge' not in message
-    assert "step_rule='kl_graft'" in message and 'kl_clip' in message
+    assert "step_rule='graft_average'" in message and 'kl_clip' in message
     assert 'kl_clip_relative=10' in message
     # A falling loss under hard clipping is slow, not stuck: no warning.
     falling = divergence.DivergenceMonitor('raise')

@@ -360,6 +360,31 @@ def test_snapshot_with_other_layers_options_or_nonfinite_is_refused():
         loading_into(MLP())
 
 
+def test_snapshot_of_another_step_rule_resumes_and_says_so(caplog):
+    numpy.random.seed(0)
+    state = trained(chainerkfac.optimizers.KFAC(step_rule='kl_graft'), MLP())
+    assert str(state['kfac/header/step_rule']) == 'kl_graft'
+
+    def resumed_under(rule):
+        caplog.clear()
+        optimizer = chainerkfac.optimizers.KFAC(step_rule=rule)
+        optimizer.setup(MLP())
+        with caplog.at_level('WARNING', 'chainerkfac'):
+            load(state, optimizer)
+        return [r.getMessage() for r in caplog.records
+                if 'step rule' in r.getMessage()
+                or 'step_rule' in r.getMessage()]
+
+    assert resumed_under('kl_graft') == []
+    said, = resumed_under('graft_average')
+    assert "taken under step_rule='kl_graft'" in said
+    assert "under step_rule='graft_average'" in said
+    # A snapshot of an older version does not name its rule.
+    del state['kfac/header/step_rule']
+    said, = resumed_under('kl_graft')
+    assert 'an unnamed step rule' in said
+
+
 def test_lazily_initialised_layers_load_before_the_model():
     # The Trainer's snapshot loads the optimizer before the model, whose
     # lazily initialised layers have no shapes yet.

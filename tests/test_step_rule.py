@@ -196,6 +196,6 @@ def test_step_rule_option_is_checked_and_shown():
     with pytest.raises(ValueError, match="step_rule must be one of 'graft'"):
         chainerkfac.optimizers.KFAC(step_rule='sgd')
     optimizer = chainerkfac.optimizers.KFAC()
-    assert isinstance(optimizer.step_rule, step_rule.KLGraft)
+    assert isinstance(optimizer.step_rule, step_rule.GraftAverage)
     assert optimizer.kl_clip == 1e-2 and optimizer.kl_clip_lr == 0.01
-    assert optimizer.option_values()['step_rule'] == "'kl_graft'"
+    assert optimizer.option_values()['step_rule'] == "'graft_average'"

@@ -88,7 +88,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  kl_clip_batch=64, kl_clip_relative=None,
                  kl_clip_follows_lr=True, divergence='warn',
                  max_skipped_steps=100,
-                 step_rule='kl_graft', conv_factors='expanded',
+                 step_rule=step_rule_module.DEFAULT,
+                 conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
                  doubly_factored_from=None, **unknown):
         options.reject_unknown(unknown, type(self).__init__)
@@ -382,10 +383,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                            'the curvature starts afresh')
             return
         self._monitor.serialize(state['divergence'])
-        if self.step_rule.chooses_update:
-            self.step_rule.serialize(state['adaptive'], self.damping)
-        else:
-            self.step_rule.serialize(state['step_rule'])
+        snapshot.serialize_step_rule(state, self.step_rule, self.damping,
+                                     loading)
         self.serialize_checks(state['nonfinite'])
         names = {block.name for block in self.blocks}
         if isinstance(found, tuple):

@@ -5,7 +5,9 @@ Each process keeps the curvature of the layers it owns, so each writes its
 own file, whose header names the process (rank and number of processes),
 the inverse form, the BatchNorm Fisher, every K-FAC layer with its factor
 shapes, and the layers whose curvature the file holds. Loading checks the
-header and names what differs (``ValueError``).
+header and names what differs (``ValueError``). The header also names the
+step rule; a snapshot taken under another one resumes under this run's,
+which is said (:func:`serialize_step_rule`).
 
 On as many processes, each loads its own file. On another number (a job
 resized between allocations, or one process), each process loads the files
@@ -16,6 +18,7 @@ its owner in the new placement (:class:`Resume`).
 import contextlib
 import glob
 import itertools
+import logging
 import os
 import re
 import zipfile
@@ -23,6 +26,8 @@ import zlib
 
 import numpy
 from chainer import serializers
+
+logger = logging.getLogger(__name__)
 
 
 def header(rank, size, inverse, bn_fisher, blocks):
@@ -111,6 +116,35 @@ def check_header(state, mine, blocks):
             'layers each holds: resume it on {} process(es)'.format(
                 saved_size, saved_size)) from None
     return saved_rank, saved_size, set(names.split('; ')) - {''}
+
+
+def serialize_step_rule(state, rule, damping, loading):
+    """Saves or loads the state of ``rule``, the optimizer's
+    :class:`~chainerkfac.step_rule.StepRule` (under ``adaptive`` for a
+    rule that chooses the whole update, which also keeps the ``damping``
+    it chose; else under ``step_rule``), and its name in the header.
+    Loading a snapshot that names another rule (or none: an older
+    version's, taken under the default of its time) is said: the run goes
+    on under ``rule``, whose state starts afresh where the snapshot holds
+    none of it."""
+    if rule.chooses_update:
+        rule.serialize(state['adaptive'], damping)
+    else:
+        rule.serialize(state['step_rule'])
+    name = str(rule.name or type(rule).__name__)
+    if not loading:
+        state['header']('step_rule', name)
+        return
+    try:
+        saved = str(state['header']('step_rule', ''))
+    except KeyError:
+        saved = None
+    if saved != name:
+        logger.warning(
+            'the snapshot was taken under %s; this run resumes it under '
+            "step_rule=%r (pass step_rule= to KFAC to keep the snapshot's)",
+            'an unnamed step rule (an older version\'s default)'
+            if saved is None else 'step_rule={!r}'.format(saved), name)
 
 
 def _check_layers(saved, mine, blocks):

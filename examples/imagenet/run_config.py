@@ -190,7 +190,8 @@ SCHEMA = {
     'kl_clip': (None, optional(positive)),
     # The paper's step is the natural-gradient step η F̂⁻¹∇, not the
     # optimizer's default (chainerkfac.step_rule).
-    'step_rule': ('natural', choice('natural', 'kl_graft', 'graft')),
+    'step_rule': ('natural', choice('natural', 'kl_graft', 'graft',
+                                    'graft_average')),
     'bn_fisher': ('diagonal', choice('diagonal', 'full')),
     'inverse': ('cholesky', choice('cholesky', 'eigen')),
     'cov_ema_decay': (0.0, number(0, 1, high_open=True)),
