@@ -150,6 +150,14 @@ class Natural(StepRule):
         return numpy.ones(len(terms))
 
 
+def grafted(vv, gg):
+    """``sqrt(gg / vv)`` per block, ``1`` where ``vv`` is 0: the scale that
+    gives ``V`` (``⟨V, V⟩ = vv``) the length of ``g`` (``⟨g, g⟩ = gg``)."""
+    # A zero V (a zero gradient) stays zero: nothing to lengthen.
+    safe = numpy.where(vv > 0, vv, 1.0)
+    return numpy.where(vv > 0, numpy.sqrt(gg / safe), 1.0)
+
+
 class Graft(StepRule):
     """``ρ_b = ‖g_b‖ / ‖V_b‖``: SGD's step length per block, K-FAC's
     direction (Agarwal et al. 2020)."""
@@ -157,10 +165,7 @@ class Graft(StepRule):
     name = 'graft'
 
     def scales(self, terms):
-        vv, gg = terms[:, 1], terms[:, 2]
-        # A zero V (a zero gradient) stays zero: nothing to lengthen.
-        safe = numpy.where(vv > 0, vv, 1.0)
-        return numpy.where(vv > 0, numpy.sqrt(gg / safe), 1.0)
+        return grafted(terms[:, 1], terms[:, 2])
 
 
 class KLGraft(StepRule):
@@ -175,14 +180,14 @@ class KLGraft(StepRule):
         total = vg.sum()
         if not total > 0:
             return numpy.ones(len(terms))
-        grafted = Graft().scales(terms)
+        rho = grafted(terms[:, 1], terms[:, 2])
         return numpy.full(len(terms),
-                          numpy.sqrt((grafted ** 2 * vg).sum() / total))
+                          numpy.sqrt((rho ** 2 * vg).sum() / total))
 
 
 class GraftAverage(StepRule):
     """``ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²))``, ``m_t`` running averages
-    of decay :attr:`decay`: :class:`Graft` of the averages."""
+    of decay :attr:`decay`: :func:`grafted` of the averages."""
 
     name = 'graft_average'
     #: ``δ``: the averages span about the last ``1 / (1 − δ)`` steps.
@@ -200,8 +205,7 @@ class GraftAverage(StepRule):
         else:
             self.averages = (self.decay * self.averages
                              + (1 - self.decay) * norms)
-        return Graft().scales(
-            numpy.concatenate([terms[:, :1], self.averages], axis=1))
+        return grafted(self.averages[:, 0], self.averages[:, 1])
 
     def serialize(self, serializer):
         """Saves or loads the averages (a snapshot without them starts
