@@ -59,6 +59,9 @@ layer's step as long as SGD's) and ``--layer-graft-average LRS`` the same
 with each layer's lengths from running averages
 (``kfac_layer_graft_average``: ``step_rule='graft_average'``, the
 defaults: ``KFAC(lr, momentum)``), both under the defaults' guard.
+``--backtrack LRS`` adds the defaults with backtracking in place of the
+guard (``kfac_backtrack``: ``kl_clip=None, backtrack=True``; the run
+records the iterations at which it backtracked).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -150,6 +153,8 @@ OPTIMIZERS = {
     # and their running averages (the one-line swap: the defaults).
     'kfac_layer_graft': {'step_rule': 'graft'},
     'kfac_layer_graft_average': {'step_rule': 'graft_average'},
+    # The swap with backtracking in place of the guard's fixed bound.
+    'kfac_backtrack': {'step_rule': 'graft_average', 'backtrack': True},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -163,7 +168,7 @@ OPTIMIZERS = {
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
          'kfac_kl_step_adaptive', 'kfac_kl_run', 'kfac_layer_graft',
-         'kfac_layer_graft_average')
+         'kfac_layer_graft_average', 'kfac_backtrack')
 #: The swaps under the defaults' guard (``guard_options``).
 DEFAULT_GUARD = ('kfac_kl_graft', 'kfac_layer_graft',
                  'kfac_layer_graft_average')
@@ -176,14 +181,14 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
                            'kfac_quadratic_model_floor', 'kfac_reference',
                            'kfac_kl_step', 'kfac_kl_step_adaptive',
                            'kfac_kl_run', 'kfac_layer_graft',
-                           'kfac_layer_graft_average')
+                           'kfac_layer_graft_average', 'kfac_backtrack')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
                           'navy', 'darkgoldenrod', 'olive', 'teal',
-                          'sienna', 'darkviolet')))
+                          'sienna', 'darkviolet', 'limegreen')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
@@ -313,9 +318,11 @@ def train(spec, decays=(), schedule=None, options=None):
         bound = guard['kl_clip']
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 **dict(options, **guard))
-    # The quadratic model's step needs update(classifier, x, t).
-    net = chainer.links.Classifier(model) if options is not None and \
-        optimizer.step_rule.chooses_update else model
+    # The quadratic model's step and backtracking need the loss:
+    # update(classifier, x, t).
+    net = chainer.links.Classifier(model) if options is not None and (
+        optimizer.step_rule.chooses_update or optimizer.backtrack) \
+        else model
     optimizer.setup(net)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
     reporter = chainer.Reporter()
@@ -324,6 +331,7 @@ def train(spec, decays=(), schedule=None, options=None):
                 for d in decays}
     rng = numpy.random.RandomState(seed)
     curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
+    backtracks = []
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
         scales, chosen = [], []
@@ -350,6 +358,8 @@ def train(spec, decays=(), schedule=None, options=None):
                 break
             if 'kfac/update_scale' in observation:
                 scales.append(float(observation['kfac/update_scale']))
+            if observation.get('kfac/backtracks', 0) > len(backtracks):
+                backtracks.append(it)
             if 'kfac/alpha' in observation:
                 chosen.append([float(observation[k]) for k in (
                     'kfac/alpha', 'kfac/mu', 'kfac/damping')])
@@ -387,9 +397,12 @@ def train(spec, decays=(), schedule=None, options=None):
             curve[-1]['averaging_seconds'] = averaging_wall
         if not numpy.isfinite(loss_value):
             break
-    return {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,
-            'batch': batch, 'seed': seed, 'epochs': epochs,
-            'warmup_epochs': warmup_epochs, 'curve': curve}
+    run = {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,
+           'batch': batch, 'seed': seed, 'epochs': epochs,
+           'warmup_epochs': warmup_epochs, 'curve': curve}
+    if options is not None and optimizer.backtrack:
+        run['backtracks'] = backtracks
+    return run
 
 
 def _setting(run):
@@ -662,6 +675,10 @@ def main(argv=None):
                         help='base lrs of the same from running averages '
                         "(kfac_layer_graft_average: step_rule="
                         "'graft_average', the defaults)")
+    parser.add_argument('--backtrack', default=None,
+                        help='base lrs of the defaults with backtracking '
+                        'instead of the guard (kfac_backtrack: kl_clip=None,'
+                        ' backtrack=True)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -726,7 +743,8 @@ def main(argv=None):
             ('kfac_kl_run', args.kl_run, KL_BUDGET),
             ('kfac_layer_graft', args.layer_graft, default_bound),
             ('kfac_layer_graft_average', args.layer_graft_average,
-             default_bound)):
+             default_bound),
+            ('kfac_backtrack', args.backtrack, None)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

@@ -37,8 +37,11 @@ defaults before ``kl_graft`` (``kfac``: fc1's block ``A ⊗ G``, ``A``
 9,217 x 9,217), the same with ``doubly_factored_from=8192``
 (``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36), the defaults with it
 (``kfac_doubly_graft_average``) and the defaults before them
-(``kfac_doubly_kl_graft``), at ``--lrs-kfac``: MomentumSGD's best and
-K-FAC's own. Each run
+(``kfac_doubly_kl_graft``), the defaults with backtracking instead of the
+guard's bound (``kfac_doubly_backtrack``; ``kfac_doubly_backtrack_guard``
+with both), at ``--lrs-kfac``: MomentumSGD's best and K-FAC's own. A
+backtracking row passes each step's loss to K-FAC (``update(classifier,
+x, t)``) and records the iterations at which it backtracked. Each run
 keeps its per-epoch validation accuracy and loss, training seconds and
 its K-FAC stage seconds; runs are kept in ``results/doubly_factored.json``
 as they end and not repeated.
@@ -80,6 +83,12 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
               # The defaults: layer-wise grafting of running averages.
               'kfac_doubly_graft_average': {'doubly_factored_from': WIDTH,
                                             'step_rule': 'graft_average'},
+              # The defaults with backtracking in place of the guard's
+              # fixed bound, and beside it.
+              'kfac_doubly_backtrack': {'doubly_factored_from': WIDTH,
+                                        'kl_clip': None, 'backtrack': True},
+              'kfac_doubly_backtrack_guard': {'doubly_factored_from': WIDTH,
+                                              'backtrack': True},
               # compare_shapes' step of fixed KL change (a function of the
               # batch and the run's steps: the bound grows like the batch).
               'kfac_doubly_kl_step': lambda batch, steps: dict(
@@ -224,19 +233,29 @@ def train(spec):
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 **options)
         timer = optimizer.stage_timer = chainerkfac.timing.StageTimer()
-    optimizer.setup(model)
+    # Backtracking tests each step's loss, which update(classifier, x, t)
+    # gives K-FAC.
+    net = L.Classifier(model) if options and options.get('backtrack') \
+        else model
+    optimizer.setup(net)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
         compare_shapes.WEIGHT_DECAY))
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', net)
     rng = numpy.random.RandomState(seed)
-    curve, wall, it = [], 0.0, 0
+    curve, wall, it, backtracks = [], 0.0, 0, []
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
             optimizer.lr = lr * compare_shapes.schedule_factor(it, total,
                                                                warmup)
-            loss_value, seconds = harness.train_step(model, optimizer,
-                                                     x_tr[idx], y_tr[idx])
+            observation = {}
+            with reporter.scope(observation):
+                loss_value, seconds = harness.train_step(
+                    net, optimizer, x_tr[idx], y_tr[idx])
+            if observation.get('kfac/backtracks', 0) > len(backtracks):
+                backtracks.append(it)
             wall += seconds
             it += 1
         accuracy, val_loss = compare_shapes.evaluate(model, x_val, y_val)
@@ -249,6 +268,8 @@ def train(spec):
     run = {'optimizer': name, 'base_lr': base_lr, 'seed': seed,
            'epochs': epochs, 'warmup_epochs': warmup_epochs, 'batch': batch,
            'n_train': n_train, 'curve': curve}
+    if options and options.get('backtrack'):
+        run['backtracks'] = backtracks
     if timer is not None:
         run['stage_seconds'] = timer.coarse()
         run['inversions'] = timer.calls['inversion']

@@ -53,6 +53,13 @@ PATIENCE = 100
 STALLED = 0.9
 
 
+def serialize_loss(serializer, key, loss):
+    """Saves or loads the loss ``loss`` under ``key`` and returns it (as
+    loaded, when loading): one not seen yet (``None``) is kept as NaN."""
+    value = float(serializer(key, math.nan if loss is None else loss))
+    return None if math.isnan(value) else value
+
+
 class DivergenceWarning(RuntimeWarning):
     """A K-FAC run shows a sign of divergence."""
 
@@ -113,10 +120,8 @@ class DivergenceMonitor:
         afresh, which is said."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         try:
-            first, last = (float(serializer(
-                key, math.nan if loss is None else loss))
-                for key, loss in (('first_loss', self.first_loss),
-                                  ('last_loss', self.last_loss)))
+            first = serialize_loss(serializer, 'first_loss', self.first_loss)
+            last = serialize_loss(serializer, 'last_loss', self.last_loss)
             clips = int(serializer('hard_clips', self.hard_clips))
             warned = {category for key, category in self._WARNED
                       if bool(serializer(key, category in self.warned))}
@@ -127,8 +132,7 @@ class DivergenceMonitor:
                 'loss with that of the next step instead of the first')
             return
         if loading:
-            self.first_loss = None if math.isnan(first) else first
-            self.last_loss = None if math.isnan(last) else last
+            self.first_loss, self.last_loss = first, last
             self.hard_clips, self.warned = clips, warned
 
     def _diverges(self, step, what):

@@ -38,9 +38,11 @@ class CNN(chainer.Chain):
 
 
 def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0,
-                   doubly_factored_from=None, kl_clip_relative=None):
+                   doubly_factored_from=None, kl_clip_relative=None,
+                   lr=0.05, backtrack=False):
     return chainerkfac.optimizers.KFAC(
-        lr=0.05, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
+        lr=lr, backtrack=backtrack, momentum=0.9, cov_ema_decay=0.9,
+        inverse=inverse,
         step_rule=step_rule, kl_clip=kl_clip, inverse_delay=inverse_delay,
         kl_clip_relative=kl_clip_relative,
         doubly_factored_from=doubly_factored_from,
@@ -69,6 +71,8 @@ def main():
     parser.add_argument('--step-rule', default='graft')
     parser.add_argument('--kl-clip', type=float, default=None)
     parser.add_argument('--kl-clip-relative', type=float, default=None)
+    parser.add_argument('--lr', type=float, default=0.05)
+    parser.add_argument('--backtrack', action='store_true')
     args = parser.parse_args()
     numpy.random.seed(0)  # SplitMLP's default initializers draw from it
     dtype = numpy.float64 if args.double else numpy.float32
@@ -76,7 +80,8 @@ def main():
         model = split_model.SplitMLP(36) if args.mlp else CNN()
     optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip,
                                args.inverse_delay, args.doubly_factored_from,
-                               args.kl_clip_relative)
+                               args.kl_clip_relative, args.lr,
+                               args.backtrack)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')

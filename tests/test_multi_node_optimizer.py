@@ -68,6 +68,22 @@ def test_distributed_equals_single_process(tmp_path, inverse, rule,
                                '{} ranks'.format(n))
 
 
+def test_distributed_backtracking_equals_single_process(tmp_path):
+    # lr 10 and the guard off: the loss jumps on 3 of the 7 steps. Every
+    # rank tests the mean of the ranks' losses, the global batch's, so all
+    # of them backtrack where one process does.
+    options = ['--backtrack', '--lr', '10', '--kl-clip', '1e9']
+    expected = single_process(tmp_path, options)
+    assert expected['backtracks'] == 3
+    for n in (2, 4):
+        out = str(tmp_path / 'n{}.npz'.format(n))
+        mpi_helpers.run_mpi(n, SCRIPT, [out] + options, timeout=180,
+                            check=True)
+        got = numpy.load(out)
+        assert got['backtracks'] == 3
+        assert_same_parameters(got, expected, '{} ranks'.format(n))
+
+
 def test_more_ranks_than_layers_equals_single_process(tmp_path):
     # 4 ranks for the 3 layers of the MLP: with one rank per block
     # (max_load_imbalance=None) one rank owns nothing and idles through

@@ -68,7 +68,11 @@ def assert_identical(straight, resumed):
     # would move fc's weights by 0.06.
     ('cholesky', ['--kl-clip', '1e-5', '--kl-clip-relative', '1']),
     # The step rule's running averages of the layers' norms.
-    ('cholesky', ['--step-rule', 'graft_average'])])
+    ('cholesky', ['--step-rule', 'graft_average']),
+    # Backtracking at steps 2, 4, 6 and 8: the one at 6 puts back the
+    # weights of step 5, which the snapshot kept.
+    ('cholesky', ['--step-rule', 'graft_average', '--lr', '3',
+                  '--backtrack'])])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     k = 5
     straight = run(tmp_path, 'straight', 0, 2 * k, inverse, extra=extra)
@@ -86,6 +90,10 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     assert 'optimizer/kfac/guard/smallest_q_over_lr2' in keys
     if 'graft_average' in extra:
         assert 'optimizer/kfac/step_rule/averages' in keys
+    if '--backtrack' in extra:
+        assert numpy.load(straight + '.npz')[
+            'optimizer/kfac/backtrack/count'] == 4
+        assert 'optimizer/kfac/backtrack/weights/fc.W' in keys
 
 
 def test_distributed_resume_equals_uninterrupted_run(tmp_path):

@@ -234,6 +234,10 @@ class HybridParallelStages(stages.Stages):
         with timing.timed(self.comm.stage_timer, 'communication'):
             return bool(self.comm.allreduce_obj(int(not ok)) == 0)
 
+    def mean(self, value):
+        with timing.timed(self.comm.stage_timer, 'communication'):
+            return self.comm.allreduce_obj(float(value)) / self.comm.size
+
     # -- stages 4-6 -----------------------------------------------------------
 
     def placement(self, blocks):

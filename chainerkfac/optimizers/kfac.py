@@ -17,6 +17,7 @@ import chainer
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
+from chainerkfac import backtrack as backtrack_module
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
 from chainerkfac import step_rule as step_rule_module
@@ -87,7 +88,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
                  kl_clip_batch=64, kl_clip_relative=None,
                  kl_clip_follows_lr=True, divergence='warn',
-                 max_skipped_steps=100,
+                 backtrack=False, max_skipped_steps=100,
                  step_rule=step_rule_module.DEFAULT,
                  conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
@@ -109,10 +110,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             kl_clip_batch=kl_clip_batch, kl_clip_relative=kl_clip_relative,
             kl_clip_follows_lr=kl_clip_follows_lr, reference_lr=lr,
             max_skipped_steps=max_skipped_steps, precondition=precondition,
-            independent_processes=independent_processes)
+            independent_processes=independent_processes, backtrack=backtrack)
         self._monitor = divergence_module.DivergenceMonitor(self.divergence)
         self._relative_bound = update_norm.RelativeBound()
         self._followed_bound = update_norm.FollowedBound(self.kl_clip_lr)
+        self._backtrack = backtrack_module.Backtrack()
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
@@ -244,6 +246,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._stages.prepare(self)
         if self.step_rule.chooses_update:
             self.step_rule.check(self, lossfun)
+        if self.backtrack and lossfun is None:
+            raise ValueError('KFAC backtrack=True needs the training loss: '
+                             'call update(lossfun, *batch), as a Trainer\'s '
+                             'StandardUpdater does')
         # The forward pass moves BatchNorm's running averages: put them back
         # when the step is skipped or raises.
         running = [] if lossfun is None else \
@@ -277,6 +283,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.call_hooks('pre')
         self.t += 1
         samples = self._hook.take_batch_size() if self._hook else None
+        if self.backtrack and self._backtracks(mean_loss):
+            return False, mean_loss, None
         taken = self._stages.agree(self.is_safe_to_update()
                                    and self._check_finite_gradients())
         scale = None
@@ -293,6 +301,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 rule.choose(self, params, lossfun, args, kwds, mean_loss)
             self._relative_bound.accept()
             for param in self.target.params():
+                if param.grad is not None and self._backtrack.count:
+                    param.grad *= self._backtrack.factor
                 param.update()
             if rule:
                 rule.after_update(self, lossfun)
@@ -300,6 +310,20 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.call_hooks('post')
         self.update_loss_scale()
         return taken, mean_loss, scale
+
+    def _backtracks(self, loss):
+        """Whether the step's loss, every process's mean, has jumped; if
+        so, sets the weights, momentum and learning rate back
+        (:mod:`chainerkfac.backtrack`)."""
+        loss = self._stages.mean(loss)
+        params = list(self.target.namedparams())
+        jumped = self._backtrack.jumped(loss)
+        if jumped:
+            self._backtrack.undo(self.t, loss, params)
+        else:
+            self._backtrack.accept(loss, params)
+        chainer.report({'kfac/backtracks': self._backtrack.count})
+        return jumped
 
     def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
@@ -383,6 +407,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                            'the curvature starts afresh')
             return
         self._monitor.serialize(state['divergence'])
+        if self.backtrack:
+            self._backtrack.serialize(state['backtrack'],
+                                      list(self.target.namedparams()))
         snapshot.serialize_step_rule(state, self.step_rule, self.damping,
                                      loading)
         self.serialize_checks(state['nonfinite'])

@@ -36,8 +36,9 @@ class FiniteChecks:
                 'non-finite gradient this process saw: {}); KFAC '
                 'max_skipped_steps={}'.format(
                     self._skipped_in_a_row, self.t,
-                    self._last_nonfinite or 'none, another process or the '
-                    'loss scaling skipped', self.max_skipped_steps))
+                    self._last_nonfinite or 'none, another process, the '
+                    'loss scaling or backtracking skipped',
+                    self.max_skipped_steps))
 
     def serialize_checks(self, serializer):
         """Saves or loads what the checks carry from step to step: the

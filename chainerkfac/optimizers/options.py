@@ -55,7 +55,7 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
               acc_iters, spatial_subsample, batch_subsample, conv_factors,
               doubly_factored_from, kl_clip_batch, kl_clip_relative,
               kl_clip_follows_lr, reference_lr, max_skipped_steps,
-              precondition, independent_processes):
+              precondition, independent_processes, backtrack):
     """Checks :class:`~chainerkfac.optimizers.KFAC`'s constructor options
     and sets them, as attributes of the same names, on ``optimizer``
     (``precondition`` as ``use_kfac``; ``factor_interval=None`` is
@@ -91,6 +91,7 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
                                                'max_skipped_steps')
     optimizer.use_kfac = bool(precondition)
     optimizer.independent_processes = bool(independent_processes)
+    optimizer.backtrack = bool(backtrack)
 
 
 def block_options(optimizer):
@@ -234,7 +235,8 @@ def option_values(optimizer):
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
         precondition=optimizer.use_kfac, step_rule=optimizer.step_rule,
-        independent_processes=optimizer.independent_processes)
+        independent_processes=optimizer.independent_processes,
+        backtrack=optimizer.backtrack)
     return {name: option_text(value) for name, value in values.items()}
 
 

@@ -60,6 +60,11 @@ class Stages(abc.ABC):
         """Whether every process can take the step (``ok`` is local)."""
 
     @abc.abstractmethod
+    def mean(self, value):
+        """The mean of the number ``value`` over the processes (every
+        process's training loss, for :mod:`chainerkfac.backtrack`)."""
+
+    @abc.abstractmethod
     def rank_and_size(self):
         """``(rank, number of processes)`` of this process."""
 
@@ -130,6 +135,9 @@ class LocalStages(Stages):
 
     def agree(self, ok):
         return ok
+
+    def mean(self, value):
+        return value
 
     def rank_and_size(self):
         return 0, 1

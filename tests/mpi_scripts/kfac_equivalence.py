@@ -7,6 +7,7 @@
     ... [--device @cupy:0] [--communicator pure_nccl]
     ... [--float16] [--transport-dtype float16] [--conv-factors reduced]
     ... [--doubly-factored-from 16]   (fc1's 4 x 2 x 2 input: Ψ ⊗ K ⊗ G)
+    ... [--lr 0.05] [--backtrack]
 
 The update-norm guard is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
@@ -23,6 +24,8 @@ JSON (``parts: {...}``: ranks, bounds and the form of the inverses).
 share its Cholesky factorization, so that small models take that path.
 ``--float16`` trains the CNN in float16 at a static loss scale of 1024;
 ``--transport-dtype float16`` sends factors and gradients as float16.
+``--backtrack`` turns K-FAC's backtracking on; how many times it
+backtracked is saved (``backtracks``).
 """
 import argparse
 import json
@@ -99,6 +102,8 @@ def main():
     parser.add_argument('--kl-clip-relative', type=float, default=None)
     parser.add_argument('--conv-factors', default='expanded')
     parser.add_argument('--doubly-factored-from', type=int, default=None)
+    parser.add_argument('--lr', type=float, default=0.05)
+    parser.add_argument('--backtrack', action='store_true')
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
@@ -109,7 +114,7 @@ def main():
     model = (MLP(tuple(int(h) for h in args.mlp.split(',')))
              if args.mlp else CNN(args.batch_norm, dtype))
     optimizer = chainerkfac.optimizers.KFAC(
-        lr=0.05, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
+        lr=args.lr, momentum=0.9, damping=1e-2, cov_ema_decay=0.8,
         inverse=args.inverse, weight_decay=1e-3,
         factor_interval=1 if args.every_step else {
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
@@ -117,7 +122,8 @@ def main():
         acc_iters=args.acc_iters, kl_clip=args.kl_clip,
         kl_clip_relative=args.kl_clip_relative,
         step_rule=args.step_rule, conv_factors=args.conv_factors,
-        doubly_factored_from=args.doubly_factored_from)
+        doubly_factored_from=args.doubly_factored_from,
+        backtrack=args.backtrack)
     if args.float16:
         optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1
@@ -147,18 +153,22 @@ def main():
         with reporter.scope(observation):
             optimizer.update(model, device.send(x[rank * b:(rank + 1) * b]),
                              device.send(t[rank * b:(rank + 1) * b]))
-        scales.append(observation['kfac/update_scale'])
+        # (A step that backtracked has none: NaN.)
+        scales.append(observation.get('kfac/update_scale', numpy.nan))
     host = chainer.backend.CpuDevice().send
     params = {n: host(p.array) for n, p in model.namedparams()}
     # The update-norm guard's scale of every step: the same on every rank.
     params['update_scale'] = numpy.asarray(scales)
+    if args.backtrack:
+        params['backtracks'] = numpy.asarray(observation['kfac/backtracks'])
     if args.batch_norm and not args.single:
         # Averaged over ranks every step: the replicas agree on them too.
         params['avg_mean'] = host(model.bn.avg_mean)
     if not args.single:
         reference = comm.bcast_obj(params if rank == 0 else None)
         for name, value in params.items():
-            assert numpy.array_equal(value, reference[name]), \
+            assert numpy.array_equal(value, reference[name],
+                                     equal_nan=True), \
                 'rank {} replica differs in {}'.format(rank, name)
     if rank == 0:
         numpy.savez(args.out, **params)

@@ -1,0 +1,127 @@
+"""Backtracking: a safety net whose only inputs are the run's own losses.
+
+With ``KFAC(backtrack=True)``, every step first compares its training loss
+``ℓ_t``, measured at the current weights ``w_t`` (which
+``update(lossfun, *batch)`` gives the optimizer), with the losses the run
+had before. The loss has *jumped* when ::
+
+    ℓ_t is not finite,   or   ℓ_t > ℓ_1  and  ℓ_t > RISE · min_{s<t} ℓ_s
+
+(``ℓ_1`` the first loss, ``RISE`` = 2): the loss is back above where the
+run started, and over twice the lowest it reached. The steps since the
+last loss that passed went too far. The optimizer then
+
+* puts the weights back to ``w_a``, those of the last step whose loss
+  passed, and skips the step (the gradient at ``w_t`` is not used);
+* zeroes the momentum, which carried the run up the slope (O'Donoghue &
+  Candès 2015, "Adaptive restart for accelerated gradient schemes", §3.2:
+  a restart where the objective rises);
+* halves the learning rate for the rest of the run: every later step is
+  ``s η`` times the rule's, ``s = 2^-k`` after ``k`` backtracks, whatever
+  ``η``'s schedule does (the learning rate that led there was too large).
+
+Both tests are ratios of the run's own losses: there is no scale to set.
+The losses are every process's mean (the same on every process, as in
+one process on the same global batch). Costs: a copy of the parameters
+(their memory again, and a copy per step), and in a distributed run one
+all-reduce of a number per step. Each backtrack is logged and reported
+(``kfac/backtracks``: how many so far); the state (``ℓ_1``, the lowest
+loss, ``k``, ``w_a``) is part of the optimizer's snapshot.
+"""
+import logging
+import math
+
+import chainer
+
+from chainerkfac import divergence
+
+logger = logging.getLogger(__name__)
+
+#: The loss has jumped above this multiple of its lowest (and above its
+#: first value).
+RISE = 2.0
+
+
+class Backtrack:
+    """The loss test and what a jump undoes, for one optimizer's
+    parameters."""
+
+    def __init__(self):
+        #: ``ℓ_1`` and ``min ℓ_s`` of the steps that passed (``None``
+        #: before the first).
+        self.first_loss = None
+        self.lowest_loss = None
+        #: ``k``: the backtracks so far; the learning rate is ``2^-k`` times
+        #: the schedule's.
+        self.count = 0
+        self._saved = None
+
+    @property
+    def factor(self):
+        """``s = 2^-k``, the factor of every step's length."""
+        return 0.5 ** self.count
+
+    def jumped(self, loss):
+        """Whether ``loss`` (the step's, every process's mean) has jumped."""
+        if not math.isfinite(loss):
+            return True
+        return self.first_loss is not None and loss > self.first_loss \
+            and loss > RISE * self.lowest_loss > 0
+
+    def accept(self, loss, params):
+        """Records the passing ``loss`` and keeps the weights of
+        ``params`` (``(name, param)`` pairs) it was measured at."""
+        if self.first_loss is None:
+            self.first_loss = self.lowest_loss = loss
+        self.lowest_loss = min(self.lowest_loss, loss)
+        if self._saved is None:
+            self._saved = {name: param.array.copy() for name, param in params}
+        else:
+            for name, param in params:
+                self._saved[name][...] = param.array
+
+    def undo(self, step, loss, params):
+        """Puts the kept weights back into ``params`` and zeroes their
+        momentum (``MomentumSGDRule``'s ``v``); halves every later step."""
+        self.count += 1
+        for name, param in params:
+            if self._saved is not None and name in self._saved:
+                param.array[...] = self._saved[name]
+            rule = param.update_rule
+            if rule is not None and 'v' in rule.state:
+                rule.state['v'].fill(0)
+        logger.warning(
+            'K-FAC backtracks at iteration %d: the training loss %.4g %s; '
+            'the weights are those of the last step whose loss passed, '
+            'the momentum is zeroed, and the learning rate is %.4g times '
+            "the schedule's from now on", step, loss,
+            'is not finite' if not math.isfinite(loss) else
+            'is above the first loss {:.4g} and over {:g} times the lowest '
+            '{:.4g}'.format(self.first_loss, RISE, self.lowest_loss),
+            self.factor)
+
+    def serialize(self, serializer, params):
+        """Saves or loads the losses, the count and the kept weights of
+        ``params`` (``(name, param)`` pairs). A snapshot without them
+        (written without ``backtrack``, or by older code) starts the test
+        afresh at the next step, which is said."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        try:
+            first = divergence.serialize_loss(serializer, 'first_loss',
+                                              self.first_loss)
+            lowest = divergence.serialize_loss(serializer, 'lowest_loss',
+                                               self.lowest_loss)
+            count = int(serializer('count', self.count))
+            saved = self._saved
+            if loading and first is not None:
+                saved = {name: param.array.copy() for name, param in params}
+            for name, array in (saved or {}).items():
+                serializer['weights'](name.lstrip('/').replace('/', '.'),
+                                      array)
+        except KeyError:
+            logger.warning('the snapshot holds no state of backtrack: its '
+                           'loss test starts afresh at the next step')
+            return
+        if loading:
+            self.first_loss, self.lowest_loss = first, lowest
+            self.count, self._saved = count, saved

@@ -1,0 +1,82 @@
+"""Backtracking (chainerkfac.backtrack): the loss test, what a jump undoes,
+and the runs it saves."""
+import logging
+
+import chainer.links as L
+import numpy
+import pytest
+
+import chainerkfac
+from chainerkfac import backtrack
+
+from tests.test_convergence import digits, losses  # NOQA  (the fixture)
+
+
+def test_loss_test_puts_back_the_last_passing_weights():
+    model = L.Classifier(L.Linear(3, 2))
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.1)
+    optimizer.setup(model)
+    optimizer.update(model, numpy.ones((4, 3), numpy.float32),
+                     numpy.zeros(4, numpy.int32))  # the momentum exists
+    params = list(model.namedparams())
+    rule = backtrack.Backtrack()
+    # A loss that falls to 1 and rises: not a jump until it is above the
+    # first (4) and over twice the lowest (2 x 1).
+    for loss, jumped in ((4.0, False), (3.0, False), (1.0, False),
+                         (1.9, False), (3.9, False), (4.0, False),
+                         (4.1, True), (float('nan'), True),
+                         (float('inf'), True)):
+        assert rule.jumped(loss) is jumped, loss
+        if not jumped:
+            rule.accept(loss, params)
+    assert (rule.first_loss, rule.lowest_loss) == (4.0, 1.0)
+    kept = {name: param.array.copy() for name, param in params}
+    for _, param in params:
+        param.array += 1
+        param.update_rule.state['v'][...] = 5
+    rule.undo(7, 4.1, params)
+    for name, param in params:
+        numpy.testing.assert_array_equal(param.array, kept[name])
+        assert not param.update_rule.state['v'].any()
+    assert rule.count == 1 and rule.factor == 0.5
+    rule.undo(8, float('nan'), params)
+    assert rule.factor == 0.25
+    # A loss that never falls below a negative first loss: no jump.
+    negative = backtrack.Backtrack()
+    negative.accept(-1.0, params)
+    assert not negative.jumped(5.0)
+
+
+def test_backtracking_trains_the_cnn_that_diverges_without_the_guard(
+        digits, caplog):  # NOQA  (the fixture)
+    # The suite's CNN without BatchNorm at lr 1.0, ten times MomentumSGD's
+    # best, the guard off: without backtracking its weights overflow within
+    # ten steps; with it, the loss jumps on a few early steps, each undone
+    # with the learning rate halved, and the run trains.
+    with pytest.raises(chainerkfac.NonFiniteError):
+        losses('cnn', chainerkfac.optimizers.KFAC(1.0, 0.9, kl_clip=None),
+               digits)
+    with caplog.at_level(logging.WARNING, logger='chainerkfac.backtrack'):
+        trace, warned = losses('cnn', chainerkfac.optimizers.KFAC(
+            1.0, 0.9, kl_clip=None, backtrack=True), digits)
+    assert numpy.isfinite(trace).all() and not warned
+    assert trace[-5:].mean() < 0.5 * trace[0], trace
+    said = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(said) <= 5, said
+    assert 'backtracks at iteration' in said[0]
+    assert 'over 2 times the lowest' in said[0]
+
+
+def test_backtrack_needs_the_training_loss():
+    model = L.Classifier(L.Linear(3, 2))
+    optimizer = chainerkfac.optimizers.KFAC(backtrack=True)
+    optimizer.setup(model)
+    loss = model(numpy.ones((4, 3), numpy.float32),
+                 numpy.zeros(4, numpy.int32))
+    loss.backward()
+    with pytest.raises(ValueError, match=r'backtrack=True .*update\(lossfun'):
+        optimizer.update()
+    assert optimizer.t == 0
+    optimizer.update(model, numpy.ones((4, 3), numpy.float32),
+                     numpy.zeros(4, numpy.int32))
+    assert optimizer.t == 1
