@@ -5,10 +5,11 @@ With ``KFAC(backtrack=True)``, every step first compares its training loss
 ``update(lossfun, *batch)`` gives the optimizer), with the losses the run
 had before. The loss has *jumped* when ::
 
-    ℓ_t is not finite,   or   ℓ_t > ℓ_1  and  ℓ_t > RISE · min_{s<t} ℓ_s
+    ℓ_t not finite,   or   ℓ_t > ℓ_1  and  ℓ_t > RISE · max(min_{s<t} ℓ_s, 0)
 
 (``ℓ_1`` the first loss, ``RISE`` = 2): the loss is back above where the
-run started, and over twice the lowest it reached. The steps since the
+run started, and over twice the lowest it reached (a batch whose loss
+reached 0 leaves the first test alone). The steps since the
 last loss that passed went too far. The optimizer then
 
 * puts the weights back to ``w_a``, those of the last step whose loss
@@ -65,8 +66,10 @@ class Backtrack:
         """Whether ``loss`` (the step's, every process's mean) has jumped."""
         if not math.isfinite(loss):
             return True
+        # A batch's loss can reach 0 (or a loss be negative): "twice the
+        # lowest" then says nothing, and "above the first" alone decides.
         return self.first_loss is not None and loss > self.first_loss \
-            and loss > RISE * self.lowest_loss > 0
+            and loss > RISE * max(self.lowest_loss, 0.0)
 
     def accept(self, loss, params):
         """Records the passing ``loss`` and keeps the weights of

@@ -41,10 +41,11 @@ def test_loss_test_puts_back_the_last_passing_weights():
     assert rule.count == 1 and rule.factor == 0.5
     rule.undo(8, float('nan'), params)
     assert rule.factor == 0.25
-    # A loss that never falls below a negative first loss: no jump.
-    negative = backtrack.Backtrack()
-    negative.accept(-1.0, params)
-    assert not negative.jumped(5.0)
+    # Once a batch's loss is 0 (or below), above the first loss is a jump.
+    zero = backtrack.Backtrack()
+    for loss in (2.0, 0.0):
+        zero.accept(loss, params)
+    assert not zero.jumped(1.9) and zero.jumped(2.1)
 
 
 def test_backtracking_trains_the_cnn_that_diverges_without_the_guard(
