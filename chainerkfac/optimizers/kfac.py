@@ -283,10 +283,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.call_hooks('pre')
         self.t += 1
         samples = self._hook.take_batch_size() if self._hook else None
-        if self.backtrack and self._backtracks(mean_loss):
-            return False, mean_loss, None
-        taken = self._stages.agree(self.is_safe_to_update()
-                                   and self._check_finite_gradients())
+        # A step that backtracks is skipped, as one that is not finite.
+        backtracked = self.backtrack and self._backtracks(mean_loss)
+        taken = not backtracked and self._stages.agree(
+            self.is_safe_to_update() and self._check_finite_gradients())
         scale = None
         rule = self.step_rule if self.step_rule.chooses_update else None
         if rule:
