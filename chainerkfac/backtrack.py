@@ -77,22 +77,25 @@ class Backtrack:
         if self.first_loss is None:
             self.first_loss = self.lowest_loss = loss
         self.lowest_loss = min(self.lowest_loss, loss)
-        if self._saved is None:
-            self._saved = {name: param.array.copy() for name, param in params}
-        else:
-            for name, param in params:
-                self._saved[name][...] = param.array
+        self._saved = self._saved or {}
+        for name, param in params:
+            kept = self._saved.get(name)
+            if kept is not None:
+                kept[...] = param.array
+            elif param.array is not None:  # (a lazy link not called yet)
+                self._saved[name] = param.array.copy()
 
     def undo(self, step, loss, params):
         """Puts the kept weights back into ``params`` and zeroes their
         momentum (``MomentumSGDRule``'s ``v``); halves every later step."""
         self.count += 1
         for name, param in params:
-            if self._saved is not None and name in self._saved:
+            if self._saved and name in self._saved:
                 param.array[...] = self._saved[name]
-            rule = param.update_rule
-            if rule is not None and 'v' in rule.state:
-                rule.state['v'].fill(0)
+            # (No state before a parameter's first update.)
+            state = param.update_rule and param.update_rule.state
+            if state and 'v' in state:
+                state['v'].fill(0)
         logger.warning(
             'K-FAC backtracks at iteration %d: the training loss %.4g %s; '
             'the weights are those of the last step whose loss passed, '
@@ -117,7 +120,8 @@ class Backtrack:
             count = int(serializer('count', self.count))
             saved = self._saved
             if loading and first is not None:
-                saved = {name: param.array.copy() for name, param in params}
+                saved = {name: param.array.copy() for name, param in params
+                         if param.array is not None}
             for name, array in (saved or {}).items():
                 serializer['weights'](name.lstrip('/').replace('/', '.'),
                                       array)

@@ -2,6 +2,7 @@
 and the runs it saves."""
 import logging
 
+import chainer
 import chainer.links as L
 import numpy
 import pytest
@@ -46,6 +47,27 @@ def test_loss_test_puts_back_the_last_passing_weights():
     for loss in (2.0, 0.0):
         zero.accept(loss, params)
     assert not zero.jumped(1.9) and zero.jumped(2.1)
+
+
+def test_a_jump_at_the_first_step_and_a_lazy_link_are_handled():
+    # A non-finite first loss: nothing kept yet and no momentum yet, so
+    # only the learning rate is halved. A link whose input size is not
+    # known until it is called is kept from the first step it has weights.
+    model = chainer.Chain()
+    with model.init_scope():
+        model.fc = L.Linear(3, 2)
+        model.lazy = L.Linear(None, 2)
+    rule = backtrack.Backtrack()
+    assert rule.jumped(float('nan'))
+    rule.undo(1, float('nan'), list(model.namedparams()))
+    assert rule.factor == 0.5
+    rule.accept(1.0, list(model.namedparams()))
+    model.lazy(numpy.ones((1, 4), numpy.float32))
+    rule.accept(1.0, list(model.namedparams()))
+    kept = model.lazy.W.array.copy()
+    model.lazy.W.array[...] = 7
+    rule.undo(3, 3.0, list(model.namedparams()))
+    numpy.testing.assert_array_equal(model.lazy.W.array, kept)
 
 
 def test_backtracking_trains_the_cnn_that_diverges_without_the_guard(
