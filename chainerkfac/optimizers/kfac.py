@@ -4,10 +4,13 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
 
     forward/backward        link hooks collect A and G on refresh steps only
     optimizer hooks 'pre'   e.g. WeightDecay, GradientClipping
+    backtracking            (optional) a step whose loss jumped is undone and
+                            skipped
     curvature               C <- d C + (1 - d) C_new; damped inverses when due
     precondition            V <- F̂⁻¹ ∇ for every supported link
-    step rule               V <- ρ V (the natural direction at the grafted
-                            step's KL change); the update-norm guard bounds it
+    step rule               V_b <- ρ_b V_b (by default each layer's step as
+                            long as SGD's over about the last 100 steps);
+                            the update-norm guard bounds it
     update rule             v <- momentum v - lr V;  w <- w + v
     optimizer hooks 'post'
 """
