@@ -36,7 +36,8 @@ grid of base learning rates (``--lrs-sgd``), and the grafted step, the
 defaults before ``kl_graft`` (``kfac``: fc1's block ``A ⊗ G``, ``A``
 9,217 x 9,217), the same with ``doubly_factored_from=8192``
 (``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36), the defaults with it
-(``kfac_doubly_graft_average``) and the defaults before them
+(``kfac_doubly_graft_average``) and with ``A ⊗ G``
+(``kfac_graft_average``), the defaults before them
 (``kfac_doubly_kl_graft``), the defaults with backtracking instead of the
 guard's bound (``kfac_doubly_backtrack``; ``kfac_doubly_backtrack_guard``
 with both), at ``--lrs-kfac``: MomentumSGD's best and K-FAC's own. A
@@ -80,9 +81,11 @@ OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
               # schedule.
               'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH,
                                        'step_rule': 'kl_graft'},
-              # The defaults: layer-wise grafting of running averages.
+              # The defaults: layer-wise grafting of running averages,
+              # doubly factored and with A ⊗ G.
               'kfac_doubly_graft_average': {'doubly_factored_from': WIDTH,
                                             'step_rule': 'graft_average'},
+              'kfac_graft_average': {'step_rule': 'graft_average'},
               # The defaults with backtracking in place of the guard's
               # fixed bound, and beside it.
               'kfac_doubly_backtrack': {'doubly_factored_from': WIDTH,
