@@ -55,7 +55,8 @@ class Backtrack:
         #: ``k``: the backtracks so far; the learning rate is ``2^-k`` times
         #: the schedule's.
         self.count = 0
-        self._saved = None
+        #: ``w_a`` by parameter name (a lazy link's from its first call).
+        self._saved = {}
 
     @property
     def factor(self):
@@ -77,7 +78,6 @@ class Backtrack:
         if self.first_loss is None:
             self.first_loss = self.lowest_loss = loss
         self.lowest_loss = min(self.lowest_loss, loss)
-        self._saved = self._saved or {}
         for name, param in params:
             kept = self._saved.get(name)
             if kept is not None:
@@ -90,7 +90,7 @@ class Backtrack:
         momentum (``MomentumSGDRule``'s ``v``); halves every later step."""
         self.count += 1
         for name, param in params:
-            if self._saved and name in self._saved:
+            if name in self._saved:
                 param.array[...] = self._saved[name]
             # (No state before a parameter's first update.)
             state = param.update_rule and param.update_rule.state
@@ -122,7 +122,7 @@ class Backtrack:
             if loading and first is not None:
                 saved = {name: param.array.copy() for name, param in params
                          if param.array is not None}
-            for name, array in (saved or {}).items():
+            for name, array in saved.items():
                 serializer['weights'](name.lstrip('/').replace('/', '.'),
                                       array)
         except KeyError:
