@@ -9,7 +9,10 @@ the stages add over processes in the all-gather the step already makes
 (:meth:`Stages.gather <chainerkfac.optimizers.stages.Stages.gather>`), so
 that every process computes the same ``ρ``::
 
-    ⟨V_b, g_b⟩    ⟨V_b, V_b⟩    ⟨g_b, g_b⟩
+    ⟨V_b, g_b⟩    ⟨V_b, V_b⟩    ⟨g_b, g_b⟩    ⟨g_b, V_b,t−1⟩
+
+(the last one, with the block's previous direction, for a rule that keeps
+it, :meth:`StepRule.directions`; 0 otherwise).
 
 The update-norm guard
 (:mod:`chainerkfac.update_norm`) then bounds what the rule chose.
@@ -59,6 +62,27 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
   with ``‖V_b‖``, as the natural step's does, where grafting each step's
   norms fixes it to SGD's. The averages are the rule's state, kept in
   snapshots.
+* :class:`NoiseCap` (``'noise_cap'``): :class:`GraftAverage`, each
+  block's step no longer than the natural step at the learning rate the
+  gradient's noise allows::
+
+      ρ_b = min(ρ_b^avg, (1 − μ) α̂ / η),
+      α̂ = max(0, m_t(Σ_b ⟨g_b,t, V_b,t−1⟩)) / m_t(Σ_b ⟨V_b,t, g_b,t⟩)
+
+  In the quadratic model of the loss with ``F̂`` for its curvature, a step
+  ``−α F̂⁻¹g`` along a gradient ``g = ḡ + ξ`` with independent noise ``ξ``
+  lowers the loss most, in expectation, at ``α* = ḡᵀF̂⁻¹ḡ / E[gᵀF̂⁻¹g]``,
+  the fraction of ``⟨V, g⟩`` that is signal. A step's noise is
+  independent of the last step's, so ``⟨g_t, V_{t−1}⟩`` estimates the
+  numerator (and, where steps overshoot, turns negative and shortens
+  them). Momentum ``μ`` multiplies a steady step by ``1 / (1 − μ)``,
+  hence the cap's factor. Where the cap binds, the step is the natural
+  step at the learning rate the run measures; where the user's
+  learning rate asks for less (warm-up, the end of a decay), grafting's
+  length stands. The averages (decay ``δ``) and the last directions are
+  the rule's state, kept in snapshots; it costs a copy of the
+  blocks' preconditioned gradients and one inner product per block a
+  step.
 
 A block without an inverse yet has ``V_b = g_b`` and ``ρ_b = 1`` under
 every rule.
@@ -68,25 +92,36 @@ from chainer import backend
 import numpy
 
 #: The per-block sums, in their order in the gathered terms.
-TERMS = ('vg', 'vv', 'gg')
+TERMS = ('vg', 'vv', 'gg', 'g_last')
 N_TERMS = len(TERMS)
 
 
-def block_terms(preconditioned, gradient):
-    """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩]`` for one block (or one part of a
-    block: they add over parts), as one array of the arrays' module (read
-    back once per step, not once per block)."""
+def _with_last(xp, g, last):
+    """``⟨g, last⟩`` (0 without ``last``, a NumPy array after a snapshot
+    where ``g`` may be CuPy's)."""
+    if last is None:
+        return xp.zeros((), dtype=g.dtype)
+    return xp.vdot(g, xp.asarray(last, dtype=g.dtype).ravel())
+
+
+def block_terms(preconditioned, gradient, last=None):
+    """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩, ⟨g, last⟩]`` for one block (or one part
+    of a block: they add over parts; ``last`` its previous direction or
+    ``None``), as one array of the arrays' module (read back once per
+    step, not once per block)."""
     xp = backend.get_array_module(gradient)
     V, g = preconditioned.ravel(), gradient.ravel()
-    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g)])
+    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g),
+                     _with_last(xp, g, last)])
 
 
-def identity_terms(gradient):
+def identity_terms(gradient, last=None):
     """:func:`block_terms` of a block without an inverse (``V = g``,
-    ``F̂ = I``): ``⟨g, g⟩`` three times."""
+    ``F̂ = I``): ``⟨g, g⟩`` three times, then ``⟨g, last⟩``."""
     xp = backend.get_array_module(gradient)
-    gg = xp.vdot(gradient.ravel(), gradient.ravel())
-    return xp.stack([gg, gg, gg])
+    g = gradient.ravel()
+    gg = xp.vdot(g, g)
+    return xp.stack([gg, gg, gg, _with_last(xp, g, last)])
 
 
 def stack_terms(rows):
@@ -127,6 +162,18 @@ class StepRule:
     #: and ``after_update`` around the step, and the guard is off (the
     #: rule's ``α`` would undo it).
     chooses_update = False
+
+    def directions(self):
+        """The blocks' previous directions ``V_b,t−1`` (a list in the
+        blocks' order, each in its block's layout or ``None``), with which
+        the stages take the sums' last one, or ``None`` (only
+        :class:`NoiseCap` keeps them)."""
+        return None
+
+    def observe(self, blocks, hyperparam):
+        """Called just before :meth:`scales`, where every process holds
+        every block's ``V`` (``blocks[b].gradient()``), with the step's
+        hyperparameters. Only :class:`NoiseCap` looks."""
 
     def scales(self, terms):
         """``ρ`` per block (a NumPy vector) from ``terms``, a NumPy array
@@ -222,7 +269,85 @@ class GraftAverage(StepRule):
         self.averages = value if value is not None and value.size else None
 
 
-RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft, GraftAverage)}
+def _direction(block):
+    """A copy of ``block``'s ``V`` in its layout, or ``None`` for a block
+    without parameters or gradients yet."""
+    if not block.shaped() or any(p.grad is None for p in block.params()):
+        return None
+    return block.gradient().copy()
+
+
+class NoiseCap(GraftAverage):
+    """:class:`GraftAverage`'s ``ρ_b``, at most ``(1 − μ) α̂ / η``, ``α̂``
+    the signal fraction of the natural step's ``⟨V, g⟩`` that the next
+    step's gradient confirms (running averages of decay :attr:`decay`)."""
+
+    name = 'noise_cap'
+
+    def __init__(self):
+        super().__init__()
+        #: ``[m_t(Σ_b ⟨V_b, g_b⟩), m_t(Σ_b ⟨g_b, V_b,t−1⟩)]`` (from zero),
+        #: or ``None`` before the first step with a previous direction.
+        self.signal = None
+        #: The previous step's ``V`` of each block, or ``None``.
+        self.last = None
+        self._next = None
+        self._factor = None
+
+    def directions(self):
+        return self.last
+
+    def observe(self, blocks, hyperparam):
+        self._next = [_direction(block) for block in blocks]
+        self._factor = (1 - hyperparam.momentum) / hyperparam.lr \
+            if hyperparam.lr > 0 else None
+
+    def scales(self, terms):
+        rho = super().scales(terms)
+        had_last = self.last is not None and len(self.last) == len(terms)
+        self.last = self._next
+        if not had_last:
+            return rho
+        sums = numpy.array([terms[:, 0].sum(), terms[:, 3].sum()])
+        # From zero: a ratio of averages needs no correction of their
+        # bias, while starting at the first sums would let that one step
+        # set the cap for the next ~1 / (1 − δ).
+        self.signal = (0 if self.signal is None else
+                       self.decay * self.signal) + (1 - self.decay) * sums
+        if not self.signal[0] > 0 or self._factor is None:
+            return rho
+        fraction = max(self.signal[1], 0.0) / self.signal[0]
+        chainer.report({'kfac/signal_fraction': fraction})
+        return numpy.minimum(rho, self._factor * fraction)
+
+    def serialize(self, serializer):
+        """Saves or loads the averages and the previous directions (a
+        snapshot without them starts them afresh: the first step after it
+        is not capped)."""
+        super().serialize(serializer)
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            serializer('signal', numpy.zeros(0) if self.signal is None
+                       else self.signal)
+            last = self.last or ()
+            serializer('last_blocks', numpy.array(
+                [v is not None for v in last], dtype=bool))
+            for i, v in enumerate(last):
+                if v is not None:
+                    serializer('last_{}'.format(i), v)
+            return
+        try:
+            signal = numpy.asarray(serializer('signal', None), float)
+            present = numpy.asarray(serializer('last_blocks', None), bool)
+            last = [serializer('last_{}'.format(i), None) if here else None
+                    for i, here in enumerate(present)]
+        except KeyError:
+            signal, last = numpy.zeros(0), []
+        self.signal = signal if signal.size else None
+        self.last = last or None
+
+
+RULES = {rule.name: rule for rule in (Graft, Natural, KLGraft, GraftAverage,
+                                      NoiseCap)}
 #: The rule ``KFAC`` takes unless told otherwise.
 DEFAULT = GraftAverage.name
 

@@ -47,6 +47,9 @@ def assert_same_parameters(got, expected, what):
     ('cholesky', 'kl_graft', 'expanded', []),
     # Running averages of the gathered sums, the same on every rank.
     ('cholesky', 'graft_average', 'expanded', []),
+    # The signal fraction from every block's V and last gradient, which
+    # every rank holds after the gather.
+    ('cholesky', 'noise_cap', 'expanded', []),
     ('cholesky', 'graft', 'reduced', []),
     # fc1 doubly factored (Ψ ⊗ K ⊗ G, Ba et al. 2017 §4; explicit
     # inverses under either inverse option).
@@ -59,8 +62,15 @@ def test_distributed_equals_single_process(tmp_path, inverse, rule,
     options = ['--inverse', inverse, '--step-rule', rule,
                '--conv-factors', conv_factors] + extra
     expected = single_process(tmp_path, options)
-    # The update-norm guard scales most steps, identically on every rank.
-    assert (expected['update_scale'] < 1).sum() >= 4, expected['update_scale']
+    if rule == 'noise_cap':
+        # The cap from step 2 on: shorter than the guard's bound.
+        assert numpy.isfinite(expected['signal_fraction'][1:]).all()
+        assert (expected['update_scale'][1:] == 1).all()
+    else:
+        # The update-norm guard scales most steps, identically on every
+        # rank.
+        assert (expected['update_scale'] < 1).sum() >= 4, \
+            expected['update_scale']
     for n in (2, 4):
         out = str(tmp_path / 'n{}.npz'.format(n))
         mpi_helpers.run_mpi(n, SCRIPT, [out] + options,

@@ -69,6 +69,8 @@ def assert_identical(straight, resumed):
     ('cholesky', ['--kl-clip', '1e-5', '--kl-clip-relative', '1']),
     # The step rule's running averages of the layers' norms.
     ('cholesky', ['--step-rule', 'graft_average']),
+    # ... and the signal's averages and the last gradients.
+    ('cholesky', ['--step-rule', 'noise_cap']),
     # Backtracking at steps 2, 4, 6 and 8: the one at 6 puts back the
     # weights of step 5, which the snapshot kept.
     ('cholesky', ['--step-rule', 'graft_average', '--lr', '3',
@@ -88,8 +90,10 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
     for factor in factors:
         assert 'optimizer/kfac/fc/' + factor in keys, factor
     assert 'optimizer/kfac/guard/smallest_q_over_lr2' in keys
-    if 'graft_average' in extra:
+    if 'graft_average' in extra or 'noise_cap' in extra:
         assert 'optimizer/kfac/step_rule/averages' in keys
+    if 'noise_cap' in extra:
+        assert 'optimizer/kfac/step_rule/last_0' in keys
     if '--backtrack' in extra:
         assert numpy.load(straight + '.npz')[
             'optimizer/kfac/backtrack/count'] == 4

@@ -199,3 +199,80 @@ def test_step_rule_option_is_checked_and_shown():
     assert isinstance(optimizer.step_rule, step_rule.GraftAverage)
     assert optimizer.kl_clip == 1e-2 and optimizer.kl_clip_lr == 0.01
     assert optimizer.option_values()['step_rule'] == "'graft_average'"
+
+
+class _Block:
+    """A block of one parameter whose gradient is its ``grad``, as the
+    rule reads a real block's ``V``."""
+
+    def __init__(self, rng, size):
+        self.param = chainer.Parameter(rng.normal(size=size))
+
+    def shaped(self):
+        return True
+
+    def params(self):
+        return [self.param]
+
+    def gradient(self):
+        return self.param.grad
+
+
+def test_noise_cap_caps_graft_average_at_the_measured_signal_fraction():
+    # ρ_b = min(ρ_b^avg, (1 − μ) α̂ / η) with α̂ = max(0, m(cross)) / m(vg),
+    # cross = Σ_b ⟨g_b,t, V_b,t−1⟩ and vg = Σ_b ⟨V_b,t, g_b,t⟩ averaged
+    # from zero at the first step that has a previous direction (decay 0.5
+    # here, so that a few steps move them); written out step by step.
+    # Gradients
+    # share a mean, so the signal fraction is positive, but step 1 takes
+    # the opposite one: steps 1 and 2 have negative averages, whose cap
+    # is 0, and from step 4 on the average is positive again.
+    rng = numpy.random.RandomState(0)
+    blocks = [_Block(rng, 5), _Block(rng, 3)]
+    hp = chainer.optimizer.Hyperparameter()
+    hp.lr, hp.momentum = 0.5, 0.9
+    rule, average = step_rule.get('noise_cap'), step_rule.GraftAverage()
+    rule.decay = average.decay = 0.5
+    mean = [3 * rng.normal(size=5), 3 * rng.normal(size=3)]
+    last, m, capped = None, None, 0
+    for t in range(30):
+        sign = -1 if t == 1 else 1
+        g = [sign * mu + rng.normal(size=mu.shape) for mu in mean]
+        V = [rng.uniform(0.5, 2.0) * gb for gb in g]
+        directions = rule.directions()
+        assert (directions is None) == (t == 0)
+        terms = numpy.stack([
+            step_rule.block_terms(v, gb, None if t == 0 else directions[b])
+            for b, (v, gb) in enumerate(zip(V, g))])
+        for block, v in zip(blocks, V):
+            block.param.grad = v
+        rule.observe(blocks, hp)
+        expected = average.scales(terms)
+        if last is not None:
+            sums = numpy.array([sum(v @ gb for v, gb in zip(V, g)),
+                                sum(gb @ p for gb, p in zip(g, last))])
+            m = 0.5 * (0 if m is None else m) + 0.5 * sums
+            cap = (1 - hp.momentum) * max(m[1], 0) / m[0] / hp.lr
+            assert (cap == 0) == (t < 3) or t == 3
+            capped += bool((cap < expected).any())
+            expected = numpy.minimum(expected, cap)
+        numpy.testing.assert_allclose(rule.scales(terms), expected,
+                                      rtol=1e-12)
+        last = V
+        if t == 20:
+            # Its state survives a snapshot: the loaded rule takes the
+            # next steps' scales as the saved one does.
+            saved = chainer.serializers.DictionarySerializer()
+            rule.serialize(saved)
+            rule = step_rule.NoiseCap()
+            rule.decay = 0.5
+            rule.serialize(chainer.serializers.NpzDeserializer(saved.target))
+    assert capped >= 10, capped
+
+
+def test_noise_cap_starts_afresh_from_a_snapshot_without_its_state():
+    rule = step_rule.NoiseCap()
+    rule.signal, rule.last = numpy.ones(2), [numpy.ones(3)]
+    rule.serialize(chainer.serializers.NpzDeserializer({}))
+    assert rule.signal is None and rule.last is None and \
+        rule.averages is None

@@ -332,20 +332,21 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         self.form = None
         self.pending = None
 
-    def precondition(self, weight_decay=0.0):
+    def precondition(self, weight_decay=0.0, last=None):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
         and returns the block's sums for the step rule
-        (:func:`chainerkfac.step_rule.block_terms`). Before its first
-        inverse a block keeps its raw gradient (``F̂ = I``: every sum is
+        (:func:`chainerkfac.step_rule.block_terms`; ``last`` the block's
+        previous direction, or ``None``). Before its first inverse a block
+        keeps its raw gradient (``F̂ = I``: the first three sums are
         ``⟨∇, ∇⟩``)."""
         if not self.ready():
-            return step_rule.identity_terms(self.gradient())
+            return step_rule.identity_terms(self.gradient(), last)
         grad = self.gradient(weight_decay)
         preconditioned = self.form.apply(grad)
         # The sums before set_gradient: the gradient of a layer without a
         # bias (and without the decay term) is a view of param.grad, which
         # set_gradient overwrites with V.
-        terms = step_rule.block_terms(preconditioned, grad)
+        terms = step_rule.block_terms(preconditioned, grad, last)
         self.set_gradient(preconditioned)
         return terms
 

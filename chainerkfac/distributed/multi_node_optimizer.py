@@ -264,8 +264,9 @@ class HybridParallelStages(stages.Stages):
             with optimizer.timing('inversion'):
                 self.split.share(optimizer.blocks, refreshed)
 
-    def precondition(self, optimizer, weight_decay):
+    def precondition(self, optimizer, weight_decay, directions=None):
         blocks = optimizer.blocks
+        previous = stages.previous_directions(blocks, directions)
         parts = self.split.parts
         mine = sorted(parts)
         index = {id(block): i for i, block in enumerate(blocks)}
@@ -275,9 +276,11 @@ class HybridParallelStages(stages.Stages):
             None)``."""
             i = index[id(block)]
             split = self.split.splits.get(i)
+            last = previous(block)
             if split is None:
-                return None, block.precondition(weight_decay)
+                return None, block.precondition(weight_decay, last)
             s = parts[i]
+            last = None if last is None else split.part_of(last, s)
             if split.empty(s):
                 # An owner busy enough with the inverses: no part of V.
                 return None, None
@@ -286,10 +289,11 @@ class HybridParallelStages(stages.Stages):
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
                 part = split.part_of(block.gradient(), s)
-                return part, step_rule.identity_terms(part)
+                return part, step_rule.identity_terms(part, last)
             grad = block.gradient(weight_decay)
             part = form.apply(grad)
-            return part, step_rule.block_terms(part, split.part_of(grad, s))
+            return part, step_rule.block_terms(
+                part, split.part_of(grad, s), last)
 
         def flops(block):
             i = index[id(block)]

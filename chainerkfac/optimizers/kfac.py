@@ -354,8 +354,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             else shaped.gradient_loss_scale()
         with self.timing('precondition'):
             terms = self._stages.precondition(
-                self, hp.weight_decay * (scale or 1))
+                self, hp.weight_decay * (scale or 1),
+                self.step_rule.directions())
         terms, batch = self._stages.gather(self, terms, samples or 0)
+        self.step_rule.observe(self.blocks, hp)
         rho = self.step_rule.scales(terms)
         kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
                                      scale)

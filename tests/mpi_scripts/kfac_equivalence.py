@@ -144,7 +144,7 @@ def main():
     optimizer.setup(model.to_device(device))
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
-    reporter, scales = chainer.Reporter(), []
+    reporter, scales, fractions = chainer.Reporter(), [], []
     for step in range(STEPS):
         rng = numpy.random.RandomState(step)
         x = rng.randn(GLOBAL_BATCH, 2, 6, 6).astype(dtype)
@@ -155,10 +155,14 @@ def main():
                              device.send(t[rank * b:(rank + 1) * b]))
         # (A step that backtracked has none: NaN.)
         scales.append(observation.get('kfac/update_scale', numpy.nan))
+        fractions.append(observation.get('kfac/signal_fraction', numpy.nan))
     host = chainer.backend.CpuDevice().send
     params = {n: host(p.array) for n, p in model.namedparams()}
     # The update-norm guard's scale of every step: the same on every rank.
     params['update_scale'] = numpy.asarray(scales)
+    if not numpy.isnan(fractions).all():
+        # step_rule='noise_cap''s signal fraction (NaN before it has one).
+        params['signal_fraction'] = numpy.asarray(fractions)
     if args.backtrack:
         params['backtracks'] = numpy.asarray(observation['kfac/backtracks'])
     if args.batch_norm and not args.single:
