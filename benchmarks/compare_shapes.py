@@ -61,7 +61,10 @@ with each layer's lengths from running averages
 defaults: ``KFAC(lr, momentum)``), both under the defaults' guard.
 ``--backtrack LRS`` adds the defaults with backtracking in place of the
 guard (``kfac_backtrack``: ``kl_clip=None, backtrack=True``; the run
-records the iterations at which it backtracked).
+records the iterations at which it backtracked). ``--noise-cap LRS`` adds
+the defaults with each layer's step no longer than the natural step at the
+learning rate the gradient's noise sets (``kfac_noise_cap``:
+``step_rule='noise_cap'``, under the defaults' guard).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -155,6 +158,9 @@ OPTIMIZERS = {
     'kfac_layer_graft_average': {'step_rule': 'graft_average'},
     # The swap with backtracking in place of the guard's fixed bound.
     'kfac_backtrack': {'step_rule': 'graft_average', 'backtrack': True},
+    # The swap with each layer's step no longer than the natural step at
+    # the learning rate the gradient's noise sets.
+    'kfac_noise_cap': {'step_rule': 'noise_cap'},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -168,10 +174,10 @@ OPTIMIZERS = {
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
          'kfac_kl_step_adaptive', 'kfac_kl_run', 'kfac_layer_graft',
-         'kfac_layer_graft_average', 'kfac_backtrack')
+         'kfac_layer_graft_average', 'kfac_backtrack', 'kfac_noise_cap')
 #: The swaps under the defaults' guard (``guard_options``).
 DEFAULT_GUARD = ('kfac_kl_graft', 'kfac_layer_graft',
-                 'kfac_layer_graft_average')
+                 'kfac_layer_graft_average', 'kfac_noise_cap')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
 #: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
@@ -181,14 +187,15 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
                            'kfac_quadratic_model_floor', 'kfac_reference',
                            'kfac_kl_step', 'kfac_kl_step_adaptive',
                            'kfac_kl_run', 'kfac_layer_graft',
-                           'kfac_layer_graft_average', 'kfac_backtrack')
+                           'kfac_layer_graft_average', 'kfac_backtrack',
+                           'kfac_noise_cap')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
                           'navy', 'darkgoldenrod', 'olive', 'teal',
-                          'sienna', 'darkviolet', 'limegreen')))
+                          'sienna', 'darkviolet', 'limegreen', 'gold')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
@@ -679,6 +686,10 @@ def main(argv=None):
                         help='base lrs of the defaults with backtracking '
                         'instead of the guard (kfac_backtrack: kl_clip=None,'
                         ' backtrack=True)')
+    parser.add_argument('--noise-cap', default=None,
+                        help='base lrs of the defaults with each layer\'s '
+                        'step capped at the natural step\'s noise-set '
+                        "length (kfac_noise_cap: step_rule='noise_cap')")
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -744,7 +755,8 @@ def main(argv=None):
             ('kfac_layer_graft', args.layer_graft, default_bound),
             ('kfac_layer_graft_average', args.layer_graft_average,
              default_bound),
-            ('kfac_backtrack', args.backtrack, None)):
+            ('kfac_backtrack', args.backtrack, None),
+            ('kfac_noise_cap', args.noise_cap, default_bound)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches
