@@ -47,8 +47,7 @@ def assert_same_parameters(got, expected, what):
     ('cholesky', 'kl_graft', 'expanded', []),
     # Running averages of the gathered sums, the same on every rank.
     ('cholesky', 'graft_average', 'expanded', []),
-    # The signal fraction from every block's V and last gradient, which
-    # every rank holds after the gather.
+    # ⟨g, V_t−1⟩ from each block's owner, added up in the gather.
     ('cholesky', 'noise_cap', 'expanded', []),
     ('cholesky', 'graft', 'reduced', []),
     # fc1 doubly factored (Ψ ⊗ K ⊗ G, Ba et al. 2017 §4; explicit
@@ -154,6 +153,10 @@ def test_half_precision_follows_single_process(tmp_path, options):
     # shorter side: fc1 by rows, fc2 by columns.
     (4, [], {'fc1': (2, 50, 'cholesky', False),
              'fc2': (2, 51, 'cholesky', False)}),
+    # The same under step_rule='noise_cap': each part's ⟨g, V_t−1⟩ over
+    # its rows (fc1) or columns (fc2) of the previous direction.
+    (4, ['--step-rule', 'noise_cap'], {'fc1': (2, 50, 'cholesky', False),
+                                       'fc2': (2, 51, 'cholesky', False)}),
     # Hidden widths 80, 20: fc1 (A 73, G 80) explicit, fc2 (A 81, G 20)
     # Cholesky, both split by rows; refreshing costs each owner more than
     # a part, so the owners compute no rows.

@@ -280,10 +280,10 @@ class HybridParallelStages(stages.Stages):
             if split is None:
                 return None, block.precondition(weight_decay, last)
             s = parts[i]
-            last = None if last is None else split.part_of(last, s)
             if split.empty(s):
                 # An owner busy enough with the inverses: no part of V.
                 return None, None
+            last = None if last is None else split.part_of(last, s)
             form = self.split.part_form(block, i)
             if form is None:
                 # As an unsplit block before its first inverse: the raw
