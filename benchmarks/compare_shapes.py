@@ -64,7 +64,11 @@ guard (``kfac_backtrack``: ``kl_clip=None, backtrack=True``; the run
 records the iterations at which it backtracked). ``--noise-cap LRS`` adds
 the defaults with each layer's step no longer than the natural step at the
 learning rate the gradient's noise sets (``kfac_noise_cap``:
-``step_rule='noise_cap'``, under the defaults' guard).
+``step_rule='noise_cap'``, under the defaults' guard);
+``--noise-cap-ref LRS`` the same with the reference's damping (1e-3) and
+factors every step (``kfac_noise_cap_ref``), ``--noise-cap-ref-adaptive
+LRS`` with its damping and the default adaptive intervals
+(``kfac_noise_cap_ref_adaptive``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -161,6 +165,12 @@ OPTIMIZERS = {
     # The swap with each layer's step no longer than the natural step at
     # the learning rate the gradient's noise sets.
     'kfac_noise_cap': {'step_rule': 'noise_cap'},
+    # The same with the reference's damping, and factors every step or the
+    # default adaptive intervals.
+    'kfac_noise_cap_ref': {'step_rule': 'noise_cap', 'damping': 1e-3,
+                           'factor_interval': 1},
+    'kfac_noise_cap_ref_adaptive': {'step_rule': 'noise_cap',
+                                    'damping': 1e-3},
     # The step length, momentum and damping from the loss's quadratic model
     # (kfac-jax's adaptive mode): no learning rate, no guard.
     'kfac_quadratic_model': {'step_rule': 'adaptive'},
@@ -174,10 +184,12 @@ OPTIMIZERS = {
 #: The one-line swaps: the bound left at its default, not scheduled.
 SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
          'kfac_kl_step_adaptive', 'kfac_kl_run', 'kfac_layer_graft',
-         'kfac_layer_graft_average', 'kfac_backtrack', 'kfac_noise_cap')
+         'kfac_layer_graft_average', 'kfac_backtrack', 'kfac_noise_cap',
+         'kfac_noise_cap_ref', 'kfac_noise_cap_ref_adaptive')
 #: The swaps under the defaults' guard (``guard_options``).
 DEFAULT_GUARD = ('kfac_kl_graft', 'kfac_layer_graft',
-                 'kfac_layer_graft_average', 'kfac_noise_cap')
+                 'kfac_layer_graft_average', 'kfac_noise_cap',
+                 'kfac_noise_cap_ref', 'kfac_noise_cap_ref_adaptive')
 STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
 #: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
 #: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
@@ -188,14 +200,16 @@ ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
                            'kfac_kl_step', 'kfac_kl_step_adaptive',
                            'kfac_kl_run', 'kfac_layer_graft',
                            'kfac_layer_graft_average', 'kfac_backtrack',
-                           'kfac_noise_cap')
+                           'kfac_noise_cap', 'kfac_noise_cap_ref',
+                           'kfac_noise_cap_ref_adaptive')
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
                           'tab:red', 'tab:orange', 'tab:green',
                           'tab:purple', 'magenta', 'darkred', 'salmon',
                           'navy', 'darkgoldenrod', 'olive', 'teal',
-                          'sienna', 'darkviolet', 'limegreen', 'gold')))
+                          'sienna', 'darkviolet', 'limegreen', 'gold',
+                          'deeppink', 'slategray')))
 assert len(COLOURS) == len(ROWS)
 #: The bound of the one-line swap between grafting and kl_graft.
 GRAFT_KL_CLIP = 1e-2
@@ -690,6 +704,12 @@ def main(argv=None):
                         help='base lrs of the defaults with each layer\'s '
                         'step capped at the natural step\'s noise-set '
                         "length (kfac_noise_cap: step_rule='noise_cap')")
+    parser.add_argument('--noise-cap-ref', default=None,
+                        help='base lrs of kfac_noise_cap with damping 1e-3 '
+                        'and factors every step (kfac_noise_cap_ref)')
+    parser.add_argument('--noise-cap-ref-adaptive', default=None,
+                        help='base lrs of kfac_noise_cap with damping 1e-3 '
+                        '(kfac_noise_cap_ref_adaptive)')
     parser.add_argument('--graft-kl-clips', default='default',
                         help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
                         '\'none\' or numbers, each with every --graft lr')
@@ -756,7 +776,10 @@ def main(argv=None):
             ('kfac_layer_graft_average', args.layer_graft_average,
              default_bound),
             ('kfac_backtrack', args.backtrack, None),
-            ('kfac_noise_cap', args.noise_cap, default_bound)):
+            ('kfac_noise_cap', args.noise_cap, default_bound),
+            ('kfac_noise_cap_ref', args.noise_cap_ref, default_bound),
+            ('kfac_noise_cap_ref_adaptive', args.noise_cap_ref_adaptive,
+             default_bound)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

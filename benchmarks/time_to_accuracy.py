@@ -192,6 +192,12 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive_graft_average': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'graft_average'},
+              # The defaults with each layer's step at most the natural
+              # step at the learning rate the gradient's noise sets, under
+              # the reference's damping (at --kfac-intervals 1,1: factors
+              # every step; compare_shapes' kfac_noise_cap_ref).
+              'kfac_noise_cap_ref': {'step_rule': 'noise_cap',
+                                     'damping': 1e-3},
               # The defaults with the damping 1e-2 · 64 / 512: one falling
               # like 1 / B from batch 64, at batch 512.
               'kfac_adaptive_d1.25e-3': {
