@@ -360,7 +360,9 @@ def _polyak_section(polyak):
         '## Polyak averaging on the harder task', '',
         'Command: `{}polyak_shapes.py --decays {} --seeds {} --jobs 2`. '
         'The recipe of the section above ({}), at batch {}, base learning '
-        'rate {:g} for both optimizers (MomentumSGD\'s best there), {} '
+        'rate {:g} for both optimizers (MomentumSGD\'s best there when '
+        'these runs were made, on one seed; on four it is 0.8, '
+        '[](#momentumsgds-learning-rate-at-batch-256-on-four-seeds)), {} '
         'epochs; each run evaluates its live model and '
         '`chainerkfac.PolyakAveraging` averages of its parameters and '
         'BatchNorm statistics at each decay (per step) after every '

@@ -198,6 +198,11 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # every step; compare_shapes' kfac_noise_cap_ref).
               'kfac_noise_cap_ref': {'step_rule': 'noise_cap',
                                      'damping': 1e-3},
+              # The same with the defaults' adaptive intervals.
+              'kfac_adaptive_noise_cap_ref': {
+                  'factor_interval': chainerkfac.schedules.Adaptive(),
+                  'inverse_interval': 1, 'step_rule': 'noise_cap',
+                  'damping': 1e-3},
               # The defaults with the damping 1e-2 · 64 / 512: one falling
               # like 1 / B from batch 64, at batch 512.
               'kfac_adaptive_d1.25e-3': {
