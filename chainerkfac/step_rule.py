@@ -96,23 +96,24 @@ TERMS = ('vg', 'vv', 'gg', 'g_last')
 N_TERMS = len(TERMS)
 
 
-def _with_last(xp, g, last):
-    """``⟨g, last⟩`` (0 without ``last``, a NumPy array after a snapshot
-    where ``g`` may be CuPy's)."""
-    if last is None:
-        return xp.zeros((), dtype=g.dtype)
-    return xp.vdot(g, xp.asarray(last, dtype=g.dtype).ravel())
+def _with_last(xp, g, last, sums):
+    """``sums`` and, with ``last``, ``⟨g, last⟩`` (``last`` a NumPy array
+    after a snapshot where ``g`` may be CuPy's), as one array."""
+    if last is not None:
+        sums.append(xp.vdot(g, xp.asarray(last, dtype=g.dtype).ravel()))
+    return xp.stack(sums)
 
 
 def block_terms(preconditioned, gradient, last=None):
     """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩, ⟨g, last⟩]`` for one block (or one part
-    of a block: they add over parts; ``last`` its previous direction or
-    ``None``), as one array of the arrays' module (read back once per
-    step, not once per block)."""
+    of a block: they add over parts; ``last`` its previous direction),
+    as one array of the arrays' module (read back once per step, not once
+    per block). Without ``last`` the row stops at ``⟨g, g⟩``, and
+    :func:`stack_terms` puts 0 in its place."""
     xp = backend.get_array_module(gradient)
     V, g = preconditioned.ravel(), gradient.ravel()
-    return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g),
-                     _with_last(xp, g, last)])
+    return _with_last(xp, g, last, [xp.vdot(V, g), xp.vdot(V, V),
+                                    xp.vdot(g, g)])
 
 
 def identity_terms(gradient, last=None):
@@ -121,15 +122,28 @@ def identity_terms(gradient, last=None):
     xp = backend.get_array_module(gradient)
     g = gradient.ravel()
     gg = xp.vdot(g, g)
-    return xp.stack([gg, gg, gg, _with_last(xp, g, last)])
+    return _with_last(xp, g, last, [gg, gg, gg])
 
 
 def stack_terms(rows):
     """The rows of :func:`block_terms` as one ``(blocks, N_TERMS)`` array
-    (a NumPy one without blocks)."""
+    (a NumPy one without blocks), 0 for the last sum of a row without
+    it."""
     if not rows:
         return numpy.zeros((0, N_TERMS))
-    return backend.get_array_module(rows[0]).stack(rows)
+    xp = backend.get_array_module(rows[0])
+    short = [len(row) < N_TERMS for row in rows]
+    if not any(short):
+        return xp.stack(rows)
+    if all(short):
+        # Every rule but noise_cap: one zero column for the step, not a
+        # zero array per block.
+        stacked = xp.stack(rows)
+        return xp.concatenate(
+            [stacked, xp.zeros((len(rows), 1), dtype=stacked.dtype)], axis=1)
+    return xp.stack([xp.concatenate([row, xp.zeros(1, dtype=row.dtype)])
+                     if is_short else row
+                     for row, is_short in zip(rows, short)])
 
 
 def rescale(blocks, scales):

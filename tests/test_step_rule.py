@@ -152,6 +152,28 @@ def test_graft_scales_from_sums():
     assert list(step_rule.Natural().scales(terms)) == [1.0, 1.0]
 
 
+def test_block_sums_with_and_without_the_previous_direction():
+    # [⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩, ⟨g, last⟩], the last 0 where a block has no
+    # previous direction, whether no block, some or every block has one.
+    rng = numpy.random.RandomState(0)
+    V, g, last = (rng.normal(size=(2, 3)) for _ in range(3))
+    dense = [[v @ gb, v @ v, gb @ gb, gb @ p]
+             for v, gb, p in zip(V, g, last)]
+    for given in ([False, False], [True, False], [True, True]):
+        terms = step_rule.stack_terms([
+            step_rule.block_terms(v, gb, p if here else None)
+            for v, gb, p, here in zip(V, g, last, given)])
+        expected = numpy.array(dense)
+        expected[:, 3] *= given
+        numpy.testing.assert_allclose(terms, expected, rtol=1e-14)
+    ident = step_rule.stack_terms([step_rule.identity_terms(g[0]),
+                                   step_rule.identity_terms(g[1], last[1])])
+    gg = (g * g).sum(axis=1)
+    numpy.testing.assert_allclose(
+        ident, [[gg[0]] * 3 + [0], [gg[1]] * 3 + [g[1] @ last[1]]],
+        rtol=1e-14)
+
+
 def test_graft_average_scales_from_running_averages():
     # ρ_b = sqrt(m_t(‖g_b‖²) / m_t(‖V_b‖²)), m_1 = the first sums, then
     # m_t = 0.99 m_{t-1} + 0.01 x_t; a block whose averaged V is zero
@@ -241,7 +263,7 @@ def test_noise_cap_caps_graft_average_at_the_measured_signal_fraction():
         V = [rng.uniform(0.5, 2.0) * gb for gb in g]
         directions = rule.directions()
         assert (directions is None) == (t == 0)
-        terms = numpy.stack([
+        terms = step_rule.stack_terms([
             step_rule.block_terms(v, gb, None if t == 0 else directions[b])
             for b, (v, gb) in enumerate(zip(V, g))])
         for block, v in zip(blocks, V):
