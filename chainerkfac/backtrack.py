@@ -12,8 +12,10 @@ run started, and over twice the lowest it reached (a batch whose loss
 reached 0 leaves the first test alone). The steps since the
 last loss that passed went too far. The optimizer then
 
-* puts the weights back to ``w_a``, those of the last step whose loss
-  passed, and skips the step (the gradient at ``w_t`` is not used);
+* puts the weights back to ``w_a``, those at the lowest loss so far, and
+  skips the step (the gradient at ``w_t`` is not used). The weights of
+  the last step that passed can already be damaged: a loss that climbs
+  for a few steps passes every test until it jumps;
 * zeroes the momentum, which carried the run up the slope (O'Donoghue &
   Candès 2015, "Adaptive restart for accelerated gradient schemes", §3.2:
   a restart where the objective rises);
@@ -24,10 +26,11 @@ last loss that passed went too far. The optimizer then
 Both tests are ratios of the run's own losses: there is no scale to set.
 The losses are every process's mean (the same on every process, as in
 one process on the same global batch). Costs: a copy of the parameters
-(their memory again, and a copy per step), and in a distributed run one
-all-reduce of a number per step. Each backtrack is logged and reported
-(``kfac/backtracks``: how many so far); the state (``ℓ_1``, the lowest
-loss, ``k``, ``w_a``) is part of the optimizer's snapshot.
+(their memory again, and a copy at each new lowest loss), and in a
+distributed run one all-reduce of a number per step. Each backtrack is
+logged and reported (``kfac/backtracks``: how many so far); the state
+(``ℓ_1``, the lowest loss, ``k``, ``w_a``) is part of the optimizer's
+snapshot.
 """
 import logging
 import math
@@ -73,17 +76,22 @@ class Backtrack:
             and loss > RISE * max(self.lowest_loss, 0.0)
 
     def accept(self, loss, params):
-        """Records the passing ``loss`` and keeps the weights of
-        ``params`` (``(name, param)`` pairs) it was measured at."""
+        """Records the passing ``loss`` and, where it is the lowest so far,
+        keeps the weights of ``params`` (``(name, param)`` pairs) it was
+        measured at; a parameter with nothing kept yet (a lazy link's,
+        from its first call) is kept whatever the loss."""
+        lowest = self.first_loss is None or loss < self.lowest_loss
         if self.first_loss is None:
-            self.first_loss = self.lowest_loss = loss
-        self.lowest_loss = min(self.lowest_loss, loss)
+            self.first_loss = loss
+        if lowest:
+            self.lowest_loss = loss
         for name, param in params:
             kept = self._saved.get(name)
-            if kept is not None:
+            if kept is None:
+                if param.array is not None:
+                    self._saved[name] = param.array.copy()
+            elif lowest:
                 kept[...] = param.array
-            elif param.array is not None:  # (a lazy link not called yet)
-                self._saved[name] = param.array.copy()
 
     def undo(self, step, loss, params):
         """Puts the kept weights back into ``params`` and zeroes their
@@ -98,8 +106,8 @@ class Backtrack:
                 state['v'].fill(0)
         logger.warning(
             'K-FAC backtracks at iteration %d: the training loss %.4g %s; '
-            'the weights are those of the last step whose loss passed, '
-            'the momentum is zeroed, and the learning rate is %.4g times '
+            'the weights are those at the lowest loss, the momentum is '
+            'zeroed, and the learning rate is %.4g times '
             "the schedule's from now on", step, loss,
             'is not finite' if not math.isfinite(loss) else
             'is above the first loss {:.4g} and over {:g} times the lowest '

@@ -13,7 +13,7 @@ from chainerkfac import backtrack
 from tests.test_convergence import digits, losses  # NOQA  (the fixture)
 
 
-def test_loss_test_puts_back_the_last_passing_weights():
+def test_loss_test_puts_back_the_weights_of_the_lowest_loss():
     model = L.Classifier(L.Linear(3, 2))
     optimizer = chainerkfac.optimizers.KFAC(lr=0.1)
     optimizer.setup(model)
@@ -22,7 +22,9 @@ def test_loss_test_puts_back_the_last_passing_weights():
     params = list(model.namedparams())
     rule = backtrack.Backtrack()
     # A loss that falls to 1 and rises: not a jump until it is above the
-    # first (4) and over twice the lowest (2 x 1).
+    # first (4) and over twice the lowest (2 x 1). The weights move at
+    # every step; those the loss 1 was measured at are kept.
+    kept = None
     for loss, jumped in ((4.0, False), (3.0, False), (1.0, False),
                          (1.9, False), (3.9, False), (4.0, False),
                          (4.1, True), (float('nan'), True),
@@ -30,10 +32,12 @@ def test_loss_test_puts_back_the_last_passing_weights():
         assert rule.jumped(loss) is jumped, loss
         if not jumped:
             rule.accept(loss, params)
+        if loss == 1.0:
+            kept = {name: param.array.copy() for name, param in params}
+        for _, param in params:
+            param.array += 1
     assert (rule.first_loss, rule.lowest_loss) == (4.0, 1.0)
-    kept = {name: param.array.copy() for name, param in params}
     for _, param in params:
-        param.array += 1
         param.update_rule.state['v'][...] = 5
     rule.undo(7, 4.1, params)
     for name, param in params:

@@ -75,10 +75,10 @@ def test_distributed_equals_single_process(tmp_path, inverse, rule,
 
 
 def test_distributed_backtracking_equals_single_process(tmp_path):
-    # lr 10 and the guard off: the loss jumps on 3 of the 7 steps. Every
+    # lr 30 and the guard off: the loss jumps on 3 of the 7 steps. Every
     # rank tests the mean of the ranks' losses, the global batch's, so all
     # of them backtrack where one process does.
-    options = ['--backtrack', '--lr', '10', '--kl-clip', '1e9']
+    options = ['--backtrack', '--lr', '30', '--kl-clip', '1e9']
     expected = single_process(tmp_path, options)
     assert expected['backtracks'] == 3
     for n in (2, 4):

@@ -72,7 +72,7 @@ def assert_identical(straight, resumed):
     # ... and the signal's averages and the last gradients.
     ('cholesky', ['--step-rule', 'noise_cap']),
     # Backtracking at steps 2, 4, 6 and 8: the one at 6 puts back the
-    # weights of step 5, which the snapshot kept.
+    # weights of the lowest loss before it, which the snapshot kept.
     ('cholesky', ['--step-rule', 'graft_average', '--lr', '3',
                   '--backtrack'])])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, inverse, extra):
