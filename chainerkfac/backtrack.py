@@ -19,6 +19,10 @@ last loss that passed went too far. The optimizer then
 * zeroes the momentum, which carried the run up the slope (O'Donoghue &
   Candès 2015, "Adaptive restart for accelerated gradient schemes", §3.2:
   a restart where the objective rises);
+* has the step rule forget the run's steps
+  (:meth:`~chainerkfac.step_rule.StepRule.forget`): the running averages
+  of ``step_rule='graft_average'`` hold the norms of the steps that went
+  too far and would keep the next steps as long;
 * halves the learning rate for the rest of the run: every later step is
   ``s η`` times the rule's, ``s = 2^-k`` after ``k`` backtracks, whatever
   ``η``'s schedule does (the learning rate that led there was too large).

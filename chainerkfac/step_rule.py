@@ -194,6 +194,11 @@ class StepRule:
         ``(blocks, N_TERMS)`` of the sums over every process."""
         raise NotImplementedError
 
+    def forget(self):
+        """Drops what the rule kept of the run's steps, as after a
+        backtrack (:mod:`chainerkfac.backtrack`), which undid the last of
+        them (none but :class:`GraftAverage`'s averages)."""
+
     def serialize(self, serializer):
         """Saves or loads the rule's state between steps (none but
         :class:`GraftAverage`'s)."""
@@ -268,6 +273,11 @@ class GraftAverage(StepRule):
                              + (1 - self.decay) * norms)
         return grafted(self.averages[:, 0], self.averages[:, 1])
 
+    def forget(self):
+        """Starts the averages afresh at the next step: those of the steps a
+        backtrack undid would keep the next steps as long as theirs."""
+        self.averages = None
+
     def serialize(self, serializer):
         """Saves or loads the averages (a snapshot without them starts
         them afresh at the next step)."""
@@ -333,6 +343,10 @@ class NoiseCap(GraftAverage):
         fraction = max(self.signal[1], 0.0) / self.signal[0]
         chainer.report({'kfac/signal_fraction': fraction})
         return numpy.minimum(rho, self._factor * fraction)
+
+    def forget(self):
+        super().forget()
+        self.signal = self.last = None
 
     def serialize(self, serializer):
         """Saves or loads the averages and the previous directions (a

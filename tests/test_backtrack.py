@@ -107,3 +107,35 @@ def test_backtrack_needs_the_training_loss():
     optimizer.update(model, numpy.ones((4, 3), numpy.float32),
                      numpy.zeros(4, numpy.int32))
     assert optimizer.t == 1
+
+
+@pytest.mark.parametrize('rule', ['graft_average', 'noise_cap'])
+def test_a_backtrack_has_the_step_rule_forget_the_undone_steps(rule):
+    # A loss made to jump at the fourth step: the rule's averages (and the
+    # noise cap's signal and directions) start afresh, so that the next
+    # step's length is its own norms', not those of the steps undone.
+    model = L.Classifier(L.Linear(3, 2))
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.1, backtrack=True,
+                                            step_rule=rule)
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(0)
+    scale = [1.0]
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+
+    def lossfun(x, t):
+        return model(x, t) * scale[0]
+
+    for step in range(1, 6):
+        scale[0] = 100.0 if step == 4 else 1.0
+        observation = {}
+        with reporter.scope(observation):
+            optimizer.update(lossfun,
+                             rng.randn(4, 3).astype(numpy.float32),
+                             rng.randint(0, 2, 4).astype(numpy.int32))
+        assert observation['kfac/backtracks'] == (step >= 4)
+        forgotten = step == 4
+        assert (optimizer.step_rule.averages is None) is forgotten
+        if rule == 'noise_cap' and forgotten:
+            assert optimizer.step_rule.signal is None
+            assert optimizer.step_rule.last is None

@@ -317,12 +317,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     def _backtracks(self, loss):
         """Whether the step's loss, every process's mean, has jumped; if
         so, sets the weights, momentum and learning rate back
-        (:mod:`chainerkfac.backtrack`)."""
+        (:mod:`chainerkfac.backtrack`) and the step rule forgets the steps
+        it undid."""
         loss = self._stages.mean(loss)
         params = list(self.target.namedparams())
         jumped = self._backtrack.jumped(loss)
         if jumped:
             self._backtrack.undo(self.t, loss, params)
+            self.step_rule.forget()
         else:
             self._backtrack.accept(loss, params)
         chainer.report({'kfac/backtracks': self._backtrack.count})
