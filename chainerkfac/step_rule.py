@@ -61,7 +61,7 @@ Rules (the ``step_rule`` option of :class:`~chainerkfac.optimizers.KFAC`):
   ``1 / (1 − δ)`` steps, while from one step to the next its length moves
   with ``‖V_b‖``, as the natural step's does, where grafting each step's
   norms fixes it to SGD's. The averages are the rule's state, kept in
-  snapshots.
+  snapshots and started afresh after a backtrack.
 * :class:`NoiseCap` (``'noise_cap'``): :class:`GraftAverage`, each
   block's step no longer than the natural step at the learning rate the
   gradient's noise allows::
@@ -197,7 +197,8 @@ class StepRule:
     def forget(self):
         """Drops what the rule kept of the run's steps, as after a
         backtrack (:mod:`chainerkfac.backtrack`), which undid the last of
-        them (none but :class:`GraftAverage`'s averages)."""
+        them (nothing but :class:`GraftAverage`'s averages and
+        :class:`NoiseCap`'s signal and directions)."""
 
     def serialize(self, serializer):
         """Saves or loads the rule's state between steps (none but
@@ -345,6 +346,8 @@ class NoiseCap(GraftAverage):
         return numpy.minimum(rho, self._factor * fraction)
 
     def forget(self):
+        """Starts the averages, the signal's among them, afresh and drops
+        the previous directions: the first step after it is not capped."""
         super().forget()
         self.signal = self.last = None
 
