@@ -192,6 +192,10 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive_graft_average': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'graft_average'},
+              # The defaults under the reference's damping (at
+              # --kfac-intervals 1,10: factors every step, inverses every
+              # 10 steps, as compare_shapes' fresh_factors_screen).
+              'kfac_d1e-3': {'damping': 1e-3},
               # The defaults with each layer's step at most the natural
               # step at the learning rate the gradient's noise sets, under
               # the reference's damping (at --kfac-intervals 1,1: factors
