@@ -82,8 +82,13 @@ class DivergenceMonitor:
             stall only warns).
     """
 
-    def __init__(self, action):
+    def __init__(self, action, remedy=None):
         self.action = action
+        #: What the divergence warning advises.
+        self.remedy = remedy or (
+            "lower the learning rate (under the default step_rule={!r} "
+            "K-FAC's learning rate has MomentumSGD's units), or bound the "
+            'steps with kl_clip'.format(step_rule.DEFAULT))
         self.first_loss = None
         self.last_loss = None
         self.hard_clips = 0
@@ -99,12 +104,8 @@ class DivergenceMonitor:
             if loss > LOSS_GROWTH * abs(self.first_loss) > 0:
                 self._diverges(step, (
                     'the training loss {:.4g} is over {:g} times the first '
-                    'loss {:.4g}; lower the learning rate (under the default '
-                    "step_rule={!r} K-FAC's learning rate has "
-                    "MomentumSGD's units), or bound the steps with kl_clip "
-                    '(docs/guide/tuning.md)').format(
-                        loss, LOSS_GROWTH, self.first_loss,
-                        step_rule.DEFAULT))
+                    'loss {:.4g}; {} (docs/guide/tuning.md)').format(
+                        loss, LOSS_GROWTH, self.first_loss, self.remedy))
         self.hard_clips = self.hard_clips + 1 \
             if update_scale < HARD_SCALE else 0
         if self.hard_clips >= PATIENCE:

@@ -112,6 +112,11 @@ class StatisticsHook(chainer.LinkHook):
     def _arrived(self, block, n_samples):
         self._awaited[block] = self._awaited.get(block, 0) - n_samples
 
+    def discard(self):
+        """Forgets the samples counted since the last step, whose
+        statistics the blocks dropped (a step that raised)."""
+        self._samples, self._awaited = {}, {}
+
     def take_batch_size(self):
         """Samples fed since the last call, or ``None`` if none: all the
         forward passes of a step (micro-batches, or a manual loop's several

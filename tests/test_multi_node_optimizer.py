@@ -282,3 +282,70 @@ for step in range(updates):
             'to start it'.format(rank1_updates + 1)) in result.stderr, \
         result.stderr
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize('options', ['{}', '{"backtrack": true}'])
+def test_unseeded_lazy_links_start_from_rank_0s_weights(options):
+    # Each rank draws its own first weights of L.Linear(None, n) at the
+    # first forward pass; the first step is still one process's from
+    # rank 0's weights, and backtracking keeps rank 0's first copy.
+    result = mpi_helpers.run_mpi(
+        2, mpi_helpers.script_path('unseeded_lazy.py'), [options],
+        timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(': ok') == 2
+
+
+MID_STEP = '''
+import sys, time
+import chainerkfac
+import chainer.functions as F
+import chainer.links as L
+import numpy
+mode = sys.argv[1]
+comm = chainerkfac.create_communicator('naive')
+model = L.Linear(4, 3)
+optimizer = chainerkfac.create_multi_node_optimizer(
+    chainerkfac.optimizers.KFAC(), comm, arrival_deadline=3)
+optimizer.setup(model)
+rng = numpy.random.RandomState(comm.rank)
+
+
+def loss(x, t):
+    if comm.rank == 1 and optimizer.t == 4:
+        if mode == 'exit':
+            sys.exit(3)
+        if mode == 'block':
+            time.sleep(1000)
+        raise RuntimeError('caught')
+    return F.softmax_cross_entropy(model(x), t)
+
+
+for step in range(8):
+    try:
+        optimizer.update(loss, rng.randn(8, 4).astype(numpy.float32),
+                         rng.randint(0, 3, 8))
+    except RuntimeError as e:
+        if str(e) != 'caught':
+            raise
+'''
+
+
+@pytest.mark.parametrize('mode,message', [
+    ('exit', 'SystemExit in the middle of K-FAC iteration 5 on rank 1 of 2'),
+    ('block', 'waited 3 s in the reduce-scatter of K-FAC iteration 5: '
+     'rank(s) 1 did not answer: stopped, exited or blocked in the middle '
+     'of the step'),
+    ('catch', 'waited 3 s in the reduce-scatter of K-FAC iteration 5: '
+     'rank 1 waits in the start of K-FAC iteration 5 (it left this step'),
+])
+def test_rank_that_stops_in_the_middle_of_a_step_is_named(mode, message):
+    # sys.exit() inside the loss, a loss that blocks, and a rank that
+    # catches its own exception and starts the next update: the others,
+    # waiting in the step's first collective, end the job within the
+    # deadline and the roll call's grace, naming the rank.
+    start = time.monotonic()
+    result = mpi_helpers.run_mpi(2, MID_STEP, [mode], timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert time.monotonic() - start < 30

@@ -526,14 +526,19 @@ optimizer.update(lambda x: chainer.functions.sum(model(x)), x)
     assert 'loaded on rank(s) 0 only' in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize('damage', ['empty', 'truncated', 'corrupt'])
-def test_unreadable_snapshot_file_is_named(tmp_path, damage):
+def one_process_snapshot(tmp_path):
+    """``(stem, optimizer)`` of a one-process snapshot after 2 steps."""
     numpy.random.seed(0)
-    model = MLP()
     optimizer = chainerkfac.optimizers.KFAC()
-    state = trained(optimizer, model)
+    state = trained(optimizer, MLP())
     stem = str(tmp_path / 'snapshot_iter_2')
     numpy.savez(stem + '.rank0.npz', **state)
+    return stem, optimizer
+
+
+@pytest.mark.parametrize('damage', ['empty', 'truncated', 'corrupt'])
+def test_unreadable_snapshot_file_is_named(tmp_path, damage):
+    stem, optimizer = one_process_snapshot(tmp_path)
     raw = open(stem + '.rank0.npz', 'rb').read()
     with open(stem + '.rank0.npz', 'wb') as f:
         f.write({'empty': b'', 'truncated': raw[:len(raw) // 2],
@@ -557,3 +562,13 @@ def test_snapshot_with_a_non_finite_momentum_is_refused():
     optimizer.setup(MLP())
     with pytest.raises(ValueError, match='non-finite momentum of /l1/W'):
         load(state, optimizer)
+
+
+def test_load_snapshot_without_a_communicator_is_one_process(tmp_path):
+    stem, optimizer = one_process_snapshot(tmp_path)
+    numpy.random.seed(1)
+    other = MLP()
+    resumed = chainerkfac.optimizers.KFAC()
+    resumed.setup(other)
+    assert not chainerkfac.load_snapshot(stem, resumed, resumed, None)
+    assert resumed.t == optimizer.t

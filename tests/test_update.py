@@ -791,3 +791,96 @@ def test_bound_following_the_learning_rate_resumes_with_its_peak():
         assert observation['kfac/update_scale'] < 0.5
     for a, b in zip(model.params(), resumed.params()):
         numpy.testing.assert_array_equal(host(a.array), host(b.array))
+
+
+class Frozen(chainer.Chain):
+    """``MLP`` with ``l1``'s weights as constants, not parameters."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.W, self.b = model.l1.W.array.copy(), model.l1.b.array.copy()
+        with chainer.using_config('dtype', self.W.dtype), self.init_scope():
+            self.l2 = L.Linear(5, 3)
+        self.l2.copyparams(model.l2)
+
+    def forward(self, x):
+        return self.l2(F.tanh(F.linear(x, self.W, self.b)))
+
+
+def test_frozen_layer_leaves_the_other_layers_steps_alone():
+    # A link frozen with disable_update() after setup takes no step, and
+    # its sums stay out of the guard's q and the step rule: the live
+    # layer moves as it does where the frozen one's weights are constants.
+    numpy.random.seed(0)
+    model = MLP()
+    constants = Frozen(model)
+    moved = {}
+    for net in (model, constants):
+        opt = chainerkfac.optimizers.KFAC(lr=0.3)
+        opt.setup(net)
+        if net is model:
+            model.l1.disable_update()
+        before = net.l2.W.array.copy()
+        for step in range(6):
+            opt.update(loss_fn(net), *data(seed=step))
+        moved[net is model] = net.l2.W.array - before
+    numpy.testing.assert_allclose(moved[True], moved[False], rtol=1e-10,
+                                  atol=1e-13)
+    assert numpy.abs(moved[True]).max() > 1e-2
+
+
+def test_backtracking_does_not_override_nonfinite_raise():
+    model = MLP()
+    opt = chainerkfac.optimizers.KFAC(backtrack=True)
+    opt.setup(model)
+    opt.update(loss_fn(model), *data())
+    x, t = data(seed=1)
+    x[0, 0] = numpy.nan
+    with pytest.raises(chainerkfac.NonFiniteError,
+                       match='non-finite training loss'):
+        opt.update(loss_fn(model), x, t)
+
+
+def test_loss_function_that_raises_leaves_no_statistics():
+    # The pass's statistics do not enter the next refresh: the run equals
+    # one that never saw that batch.
+    params = []
+    for fail in (True, False):
+        numpy.random.seed(0)
+        model = MLP()
+        opt = chainerkfac.optimizers.KFAC(factor_interval=1)
+        opt.setup(model)
+        if fail:
+            def failing(x, t):
+                model(x)
+                raise KeyError('after the forward pass')
+            with pytest.raises(KeyError):
+                opt.update(failing, *data(seed=5))
+        for step in range(3):
+            opt.update(loss_fn(model), *data(seed=step))
+        params.append([p.array.copy() for _, p in
+                       sorted(model.namedparams())])
+    for got, expected in zip(*params):
+        numpy.testing.assert_array_equal(got, expected)
+
+
+def test_loss_of_shape_one_steps_as_a_scalar_loss():
+    params = []
+    for shape in ((), (1,)):
+        numpy.random.seed(0)
+        model = MLP()
+        opt = chainerkfac.optimizers.KFAC()
+        opt.setup(model)
+        opt.update(lambda x, t: F.reshape(loss_fn(model)(x, t), shape),
+                   *data())
+        params.append(model.l1.W.array.copy())
+    numpy.testing.assert_array_equal(*params)
+
+
+def test_divergence_warning_of_the_quadratic_model_names_its_damping():
+    from chainerkfac import divergence
+    opt = chainerkfac.optimizers.KFAC(step_rule='adaptive')
+    monitor = opt._monitor
+    monitor.observe(1, 1.0)
+    with pytest.warns(divergence.DivergenceWarning, match='min_damping'):
+        monitor.observe(2, 1e6)

@@ -129,6 +129,13 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         and it costs nothing."""
         return all(p.array is not None for p in self.params())
 
+    def frozen(self):
+        """Whether every parameter's update is disabled
+        (``Link.disable_update``): the block then takes no step, and its
+        sums stay out of the step rule's and the guard's."""
+        return all(p.update_rule is not None and not p.update_rule.enabled
+                   for p in self.params())
+
     def shapes_known(self):
         """Whether :meth:`describe` gives the shapes of the block's state
         (what a snapshot's header is checked against): once

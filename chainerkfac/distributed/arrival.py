@@ -1,8 +1,18 @@
-"""A rendezvous with a deadline: every rank's small value, or the names of
-the ranks that did not send theirs in time. A blocking collective could
-only wait, and the ranks that never arrive would stay unknown; this names
-a rank that left its training loop early
-(:func:`chainerkfac.create_multi_node_optimizer`'s ``arrival_deadline``).
+"""Deadlines on what the ranks wait for, naming the ranks that keep the
+others waiting (:func:`chainerkfac.create_multi_node_optimizer`'s
+``arrival_deadline``).
+
+- :func:`rendezvous`: every rank's small value at the start of an update,
+  or the names of the ranks that did not send theirs in time (a rank that
+  left its training loop early).
+- :class:`Watch`: a collective of the step, started without blocking and
+  waited for with the deadline. A rank that times out calls the roll
+  (:func:`roll_call`): every rank that is waiting too answers with what it
+  waits for, and the ranks that do not answer within :data:`GRACE`
+  seconds are named as stopped or blocked in the middle of the step.
+
+A blocking collective could only wait, and the ranks that never arrive
+would stay unknown.
 """
 import time
 
@@ -12,8 +22,12 @@ class ArrivalTimeout(RuntimeError):
 
 
 #: The tag of :func:`rendezvous`'s messages (on a communicator of their
-#: own).
+#: own), and those of the roll call and its answers.
 _ARRIVAL_TAG = 2039
+_ROLL_TAG = 2040
+_ANSWER_TAG = 2041
+#: Seconds a rank that timed out waits for the others' answers.
+GRACE = 2.0
 
 
 def rendezvous(comm, value, deadline, what):
@@ -35,7 +49,7 @@ def rendezvous(comm, value, deadline, what):
         pending = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG)
                    for r in range(1, size)}
         values = {0: value}
-        _wait(pending, values, start, deadline, what,
+        _wait(comm, pending, values, start, deadline, what,
               lambda ranks: 'rank(s) ' + ', '.join(map(str, ranks)))
         everyone = [values[r] for r in range(size)]
         for r in range(1, size):
@@ -44,20 +58,20 @@ def rendezvous(comm, value, deadline, what):
     sent = comm.isend(value, dest=0, tag=_ARRIVAL_TAG)
     answer = {0: comm.irecv(source=0, tag=_ARRIVAL_TAG)}
     received = {}
-    _wait(answer, received, start,
+    _wait(comm, answer, received, start,
           None if deadline is None else 1.1 * deadline + 5, what,
           lambda ranks: "rank 0, which gathers every rank's arrival,")
     sent.wait()
     return received[0]
 
 
-def _wait(pending, values, start, deadline, what, who):
+def _wait(comm, pending, values, start, deadline, what, who):
     """Moves the values of the completed requests of ``pending`` (rank ->
     request) into ``values`` until none is pending; after ``deadline``
     seconds from ``start`` raises :class:`ArrivalTimeout`, naming the ranks
-    still pending by ``who(ranks)``. Polls with a growing pause (up to
-    2 ms), so that a waiting rank leaves its core to the ones at work."""
-    pause = 1e-5
+    still pending by ``who(ranks)``. Answers the roll calls of ranks that
+    timed out elsewhere (``what``: where this one waits)."""
+    pauses = _pauses()
     while pending:
         for r, request in list(pending.items()):
             done, value = request.test()
@@ -66,13 +80,103 @@ def _wait(pending, values, start, deadline, what, who):
                 del pending[r]
         if not pending:
             return
+        answer_roll_calls(comm, 'the start of ' + what)
         waited = time.monotonic() - start
         if deadline is not None and waited > deadline:
             raise ArrivalTimeout(
-                '{}: waited {:.0f} s for {} to start it: a rank that left '
+                '{}: waited {:g} s for {} to start it: a rank that left '
                 'its training loop early, or is still busy with work of its '
                 'own (every rank calls update() as many times; '
                 'create_multi_node_optimizer(..., arrival_deadline=None) '
-                'waits for ever)'.format(what, waited, who(sorted(pending))))
-        time.sleep(pause)
+                'waits for ever)'.format(what, deadline, who(sorted(pending))))
+        time.sleep(next(pauses))
+
+
+def _pauses():
+    """A growing pause between polls (up to 2 ms), so that a waiting rank
+    leaves its core to the ones at work."""
+    pause = 1e-5
+    while True:
+        yield pause
         pause = min(2 * pause, 2e-3)
+
+
+def answer_roll_calls(comm, where):
+    """Answers every roll call waiting on ``comm`` with ``where``."""
+    import mpi4py.MPI
+    status = mpi4py.MPI.Status()
+    while comm.iprobe(source=mpi4py.MPI.ANY_SOURCE, tag=_ROLL_TAG,
+                      status=status):
+        caller = status.Get_source()
+        comm.recv(source=caller, tag=_ROLL_TAG)
+        comm.send(where, dest=caller, tag=_ANSWER_TAG)
+
+
+def roll_call(comm, where):
+    """``{rank: what it waits for}`` of the other ranks that answer within
+    :data:`GRACE` seconds (answering theirs meanwhile, with ``where``)."""
+    others = [r for r in range(comm.size) if r != comm.rank]
+    for r in others:
+        comm.isend(None, dest=r, tag=_ROLL_TAG)
+    pending = {r: comm.irecv(source=r, tag=_ANSWER_TAG) for r in others}
+    answers, start, pauses = {}, time.monotonic(), _pauses()
+    while pending and time.monotonic() - start < GRACE:
+        for r, request in list(pending.items()):
+            done, value = request.test()
+            if done:
+                answers[r] = value
+                del pending[r]
+        answer_roll_calls(comm, where)
+        time.sleep(next(pauses))
+    return answers
+
+
+class Watch:
+    """The deadline of the step's collectives on one communicator.
+
+    ``comm`` is the mpi4py communicator of the roll call (the arrival's
+    own duplicate); :attr:`deadline` (seconds, ``None``: wait for ever)
+    and :attr:`step` (what the ranks are doing, for the messages) are set
+    by the distributed stages at each update.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.deadline = None
+        self.step = 'the K-FAC step'
+
+    def wait(self, request, collective):
+        """Waits for the MPI ``request`` of ``collective`` (its name);
+        after :attr:`deadline` seconds calls the roll and raises
+        :class:`ArrivalTimeout` naming the ranks that did not answer and
+        where those that did are waiting."""
+        if self.deadline is None or self.comm.size == 1:
+            request.Wait()
+            return
+        where = '{} of {}'.format(collective, self.step)
+        start, pauses = time.monotonic(), _pauses()
+        while not request.Test():
+            answer_roll_calls(self.comm, where)
+            waited = time.monotonic() - start
+            if waited > self.deadline:
+                answers = roll_call(self.comm, where)
+                raise ArrivalTimeout(_absent(
+                    where, self.deadline, answers, self.comm.rank,
+                    self.comm.size))
+            time.sleep(next(pauses))
+
+
+def _absent(where, deadline, answers, rank, size):
+    """The message of a rank that waited ``deadline`` s in ``where``."""
+    silent = [r for r in range(size) if r != rank and r not in answers]
+    elsewhere = {r: a for r, a in answers.items() if a != where}
+    parts = []
+    if silent:
+        parts.append('rank(s) {} did not answer: stopped, exited or '
+                     'blocked in the middle of the step'.format(
+                         ', '.join(map(str, silent))))
+    parts += ['rank {} waits in {} (it left this step: an exception it '
+              'caught, or a loop of its own)'.format(r, a)
+              for r, a in sorted(elsewhere.items())]
+    return 'waited {:g} s in {}: {}'.format(
+        deadline, where, '; '.join(parts) or 'every rank waits here too')

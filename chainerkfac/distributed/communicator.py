@@ -143,6 +143,9 @@ class KfacCommunicatorMixin(abc.ABC):
         # first arrive(), the collective Dup would wait for ever for a
         # rank that never arrives.
         self._arrival_comm = self.mpi_comm.Dup()
+        #: The deadline of the collectives of a step
+        #: (:class:`~chainerkfac.distributed.arrival.Watch`).
+        self.watch = arrival.Watch(self._arrival_comm)
 
     # Configuration, in ChainerMN's style.
 
@@ -175,6 +178,18 @@ class KfacCommunicatorMixin(abc.ABC):
         (:func:`chainerkfac.distributed.arrival.rendezvous`, on this
         communicator's own duplicate of its MPI communicator)."""
         return arrival.rendezvous(self._arrival_comm, value, deadline, what)
+
+    def control_sum(self, values):
+        """The sums over ranks of a few numbers ``values`` (flags, losses:
+        control, not data, so not in :attr:`bytes_moved`), as a float64
+        NumPy array, within the :attr:`watch`'s deadline."""
+        import mpi4py.MPI
+        buf = numpy.array(values, dtype=numpy.float64)
+        if self.size > 1:
+            self.watch.wait(self.mpi_comm.Iallreduce(
+                mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.SUM),
+                'the agreement')
+        return buf
 
     # Byte counters.
 

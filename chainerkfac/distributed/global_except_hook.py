@@ -9,7 +9,9 @@ variable is set), the hook prints the rank and the traceback and calls
 exit with a non-zero status.
 
 Only exceptions that reach the top of the main thread are caught:
-exceptions in other threads and ``sys.exit`` are left alone.
+exceptions in other threads and ``sys.exit`` are left alone (a
+``sys.exit`` in the middle of a distributed K-FAC step aborts the job
+through :func:`abort`, as the other ranks wait in its collectives).
 """
 import sys
 import time
@@ -34,17 +36,23 @@ def install_global_except_hook():
 
 
 def _abort_on_uncaught_exception(exc_type, exc, tb):
+    abort('uncaught exception',
+          ''.join(traceback.format_exception(exc_type, exc, tb)))
+
+
+def abort(reason, report=''):
+    """Writes ``reason`` (and ``report``, a traceback), every line marked
+    with this rank, then calls ``MPI_Abort`` on ``COMM_WORLD``: the launcher
+    ends every rank and exits with a non-zero status."""
     import mpi4py.MPI
     world = mpi4py.MPI.COMM_WORLD
     rank = world.Get_rank()
     try:
         # Every line carries the rank: mpiexec interleaves the ranks'
         # outputs.
-        report = ''.join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(
-            '[rank {}] chainerkfac: uncaught exception on rank {} of {}; '
-            'calling MPI_Abort to end the job\n'.format(
-                rank, rank, world.Get_size())
+            '[rank {}] chainerkfac: {} on rank {} of {}; calling MPI_Abort '
+            'to end the job\n'.format(rank, reason, rank, world.Get_size())
             + ''.join('[rank {}] {}'.format(rank, line)
                       for line in report.splitlines(True)))
         sys.stderr.flush()

@@ -36,6 +36,7 @@ from chainerkfac import step_rule
 from chainerkfac.distributed import assignment as assignment_module
 from chainerkfac.distributed import buffers
 from chainerkfac.distributed import consistency
+from chainerkfac.distributed import global_except_hook
 from chainerkfac.distributed import split as split_module
 from chainerkfac.optimizers import snapshot
 from chainerkfac.optimizers import stages
@@ -83,7 +84,8 @@ class HybridParallelStages(stages.Stages):
         self.max_load_imbalance = max_load_imbalance
         self.arrival_deadline = arrival_deadline
         self.assignment = None
-        self._needs_broadcast = True
+        self._uninitialised = []
+        self._iteration = None
         self._layout = None
         #: The split blocks (:class:`~chainerkfac.distributed.split.
         #: SplitBlocks`), from the first step on.
@@ -109,19 +111,36 @@ class HybridParallelStages(stages.Stages):
     def _broadcast_parameters(self, optimizer):
         # Every rank starts from rank 0's parameters; lazily initialised
         # ones are broadcast once they exist, before their first update.
-        params = list(optimizer.target.params(include_uninit=True))
         self.comm.bcast_data(optimizer.target)
-        self._needs_broadcast = any(p.array is None for p in params)
+        self._uninitialised = [
+            p for p in optimizer.target.params(include_uninit=True)
+            if p.array is None]
+
+    def broadcast_new_parameters(self, optimizer):
+        if not any(p.array is not None for p in self._uninitialised):
+            return False
+        self._broadcast_parameters(optimizer)
+        return True
+
+    def abandon(self, error):
+        """A rank that exits (``sys.exit``) or is interrupted in the middle
+        of a step aborts the job: the others wait in the step's
+        collectives, and the global except hook sees neither."""
+        if not isinstance(error, Exception):
+            global_except_hook.abort(
+                '{} in the middle of K-FAC iteration {}'.format(
+                    type(error).__name__, self._iteration))
 
     def rank_and_size(self):
         return self.comm.rank, self.comm.size
 
     def prepare(self, optimizer):
         self.comm.stage_timer = optimizer.stage_timer
+        self._iteration = optimizer.t + 1
+        self.comm.watch.deadline = self.arrival_deadline
+        self.comm.watch.step = 'K-FAC iteration {}'.format(self._iteration)
         consistency.check_same_step(self.comm, optimizer,
                                     self.arrival_deadline)
-        if self._needs_broadcast:
-            self._broadcast_parameters(optimizer)
         hooks = optimizer.whole_model_hooks()
         if hooks:
             raise ValueError(
@@ -232,11 +251,11 @@ class HybridParallelStages(stages.Stages):
 
     def agree(self, ok):
         with timing.timed(self.comm.stage_timer, 'communication'):
-            return bool(self.comm.allreduce_obj(int(not ok)) == 0)
+            return bool(self.comm.control_sum([not ok])[0] == 0)
 
     def mean(self, value):
         with timing.timed(self.comm.stage_timer, 'communication'):
-            return self.comm.allreduce_obj(float(value)) / self.comm.size
+            return float(self.comm.control_sum([value])[0]) / self.comm.size
 
     # -- stages 4-6 -----------------------------------------------------------
 

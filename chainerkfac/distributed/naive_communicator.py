@@ -35,32 +35,36 @@ class NaiveCommunicator(KfacCommunicatorMixin,
         xp = chainer.backend.get_array_module(sendbuf)
         recvbuf = xp.empty(counts[self.rank], dtype=sendbuf.dtype)
         _wait_for_device(xp)
-        self.mpi_comm.Reduce_scatter(sendbuf, recvbuf, recvcounts=counts,
-                                     op=mpi4py.MPI.SUM)
+        self.watch.wait(self.mpi_comm.Ireduce_scatter(
+            sendbuf, recvbuf, recvcounts=counts, op=mpi4py.MPI.SUM),
+            'the reduce-scatter')
         return recvbuf
 
     def _all_gather_v(self, sendbuf, counts):
         xp = chainer.backend.get_array_module(sendbuf)
         recvbuf = xp.empty(sum(counts), dtype=sendbuf.dtype)
         _wait_for_device(xp)
-        self.mpi_comm.Allgatherv(sendbuf, [recvbuf, counts])
+        self.watch.wait(self.mpi_comm.Iallgatherv(sendbuf, [recvbuf, counts]),
+                        'the all-gather')
         return recvbuf
 
     def _alltoall_v(self, sendbuf, counts, recv_counts):
         xp = chainer.backend.get_array_module(sendbuf)
         recvbuf = xp.empty(sum(recv_counts), dtype=sendbuf.dtype)
         _wait_for_device(xp)
-        self.mpi_comm.Alltoallv([sendbuf, counts], [recvbuf, recv_counts])
+        self.watch.wait(self.mpi_comm.Ialltoallv(
+            [sendbuf, counts], [recvbuf, recv_counts]), 'the all-to-all')
         return recvbuf
 
     def _allreduce_sum(self, array):
         _wait_for_device(chainer.backend.get_array_module(array))
-        self.mpi_comm.Allreduce(mpi4py.MPI.IN_PLACE, array,
-                                op=mpi4py.MPI.SUM)
+        self.watch.wait(self.mpi_comm.Iallreduce(
+            mpi4py.MPI.IN_PLACE, array, op=mpi4py.MPI.SUM), 'the allreduce')
 
     def _bcast(self, array, root):
         _wait_for_device(chainer.backend.get_array_module(array))
-        self.mpi_comm.Bcast(array, root=root)
+        self.watch.wait(self.mpi_comm.Ibcast(array, root=root),
+                        'the broadcast')
 
     def _group_bcast(self, array, root, others):
         _wait_for_device(chainer.backend.get_array_module(array))

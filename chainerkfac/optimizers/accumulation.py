@@ -38,7 +38,8 @@ def gradients(optimizer, lossfun, args, kwds):
             loss = lossfun(*chunk_args, **chunk_kwds)
         with optimizer.timing('backward'):
             loss.backward(loss_scale=optimizer.loss_scale)
-        losses.append(loss.array)
+        # A loss of shape (1,) backpropagates as a scalar one does.
+        losses.append(loss.array.reshape(()))
         del loss
     if optimizer.acc_iters > 1:
         for param in optimizer.target.params():

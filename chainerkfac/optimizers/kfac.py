@@ -15,6 +15,7 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
     optimizer hooks 'post'
 """
 import logging
+import math
 
 import chainer
 from chainer import optimizer
@@ -114,7 +115,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             kl_clip_follows_lr=kl_clip_follows_lr, reference_lr=lr,
             max_skipped_steps=max_skipped_steps, precondition=precondition,
             independent_processes=independent_processes, backtrack=backtrack)
-        self._monitor = divergence_module.DivergenceMonitor(self.divergence)
+        self._monitor = divergence_module.DivergenceMonitor(
+            self.divergence, None if not self.step_rule.chooses_update else
+            'the quadratic model chooses the step, without a learning rate '
+            'or the guard: keep more damping (step_rule=QuadraticModel('
+            'min_damping=1e-3)) or use the default step rule')
         self._relative_bound = update_norm.RelativeBound()
         self._followed_bound = update_norm.FollowedBound(self.kl_clip_lr)
         self._backtrack = backtrack_module.Backtrack()
@@ -225,11 +230,31 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self.target, self.blocks, self._unsupported,
             self._stages.placement(self.blocks)))
 
+    def hook_descriptions(self):
+        """``'name (timing): attribute=value, ...'`` of every optimizer
+        hook, in the order they run, alike where two processes added the
+        same hooks with the same settings."""
+        # Chainer's private registry, as in whole_model_hooks.
+        hookable = self._hookable
+        if hookable is None:
+            return []  # before setup: no hooks yet
+        return ['{} ({}): {}'.format(name, timing, ', '.join(
+            '{}={}'.format(key, options.option_text(value))
+            for key, value in sorted(vars(hook).items())
+            if not key.startswith('_')))
+            for timing, registry in (
+                ('pre', hookable._pre_update_hooks),
+                ('post', hookable._post_update_hooks))
+            for name, hook in registry.items()]
+
     def option_values(self):
-        """``{option: text}`` of every option and hyperparameter, alike
-        where two processes set the same values
+        """``{option: text}`` of every option and hyperparameter, and the
+        optimizer hooks, alike where two processes set the same values
         (:mod:`chainerkfac.distributed.consistency`)."""
-        return options.option_values(self)
+        values = options.option_values(self)
+        values['optimizer hooks'] = '; '.join(self.hook_descriptions()) \
+            or 'none'
+        return values
 
     # -- the step -----------------------------------------------------------
 
@@ -259,9 +284,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             nonfinite.running_statistics(self.target)
         try:
             with self.timing('update'):
-                taken, mean_loss, scale = self._step(lossfun, args, kwds)
-        except BaseException:
+                taken, mean_loss, scale = self._step(lossfun, args, kwds,
+                                                     running)
+        except BaseException as error:
             nonfinite.restore(running)
+            # The statistics of a step that did not happen must not enter
+            # the next refresh.
+            self.discard_statistics()
+            self._stages.abandon(error)
             raise
         chainer.report({'kfac/skipped_steps': int(not taken)})
         if not taken:
@@ -270,11 +300,34 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if taken:
             self._monitor.observe(self.t, mean_loss, scale)
 
-    def _step(self, lossfun, args, kwds):
+    def discard_statistics(self):
+        """Drops the statistics and sample counts collected since the last
+        step (of forward passes whose step did not happen)."""
+        for block in self.blocks:
+            block.discard_statistics()
+        if self._hook is not None:
+            self._hook.discard()
+
+    def _step(self, lossfun, args, kwds, running):
         """Gradients (with ``lossfun``), the curvature and the update rule;
         returns ``(taken, mean loss or None, the guard's scale)``."""
         mean_loss = None if lossfun is None else \
             accumulation.gradients(self, lossfun, args, kwds)
+        if self._stages.broadcast_new_parameters(self):
+            # Lazily initialised links drew their first weights on each
+            # process: the step is one process's from rank 0's weights, so
+            # the gradients and statistics are computed again from them.
+            self.discard_statistics()
+            nonfinite.restore(running)
+            if lossfun is None:
+                logger.warning(
+                    'iteration %d skipped: lazily initialised links got '
+                    "rank 0's first weights after this step's backward, "
+                    'whose gradients came from each rank\'s own; '
+                    'update(lossfun, *batch) computes them again instead',
+                    self.t + 1)
+                return False, None, None
+            mean_loss = accumulation.gradients(self, lossfun, args, kwds)
         self.reallocate_cleared_grads()
         if self._resume is not None:
             # After the forward pass: lazily initialised layers have their
@@ -320,6 +373,11 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         (:mod:`chainerkfac.backtrack`) and the step rule forgets the steps
         it undid."""
         loss = self._stages.mean(loss)
+        if self.nonfinite == 'raise' and not math.isfinite(loss):
+            raise base.NonFiniteError(
+                'non-finite training loss ({}) at iteration {}; backtracking '
+                "undoes such steps only under nonfinite='skip'".format(
+                    loss, self.t))
         params = list(self.target.namedparams())
         jumped = self._backtrack.jumped(loss)
         if jumped:
@@ -359,6 +417,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 self, hp.weight_decay * (scale or 1),
                 self.step_rule.directions())
         terms, batch = self._stages.gather(self, terms, samples or 0)
+        # A frozen layer takes no step: its sums would change the others'.
+        terms[[i for i, b in enumerate(self.blocks) if b.frozen()]] = 0
         self.step_rule.observe(self.blocks, hp)
         rho = self.step_rule.scales(terms)
         kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,

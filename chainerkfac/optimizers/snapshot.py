@@ -220,9 +220,9 @@ def _files_of(found, rank, size):
     return mine or [found[rank % saved_size]]
 
 
-def load(stem, target, optimizer, comm, path=''):
+def load(stem, target, optimizer, comm=None, path=''):
     """Resumes a ``Trainer`` snapshot ``stem`` (of as many processes or of
-    another number) on this process of ``comm``, as
+    another number) on this process of ``comm`` (``None``: one process), as
     ``chainer.serializers.load_npz(file, target)`` would from one file:
     the first of :func:`files` into ``target`` (the trainer, or an object
     that serializes it under ``path``, e.g. ``'trainer/'``), the others
@@ -232,8 +232,9 @@ def load(stem, target, optimizer, comm, path=''):
     epoch over its new shard (the epoch count loads). Returns whether the
     number of processes changed."""
     found = _rank_files(stem)
-    paths = _files_of(found, comm.rank, comm.size)
-    resized = len(found) != comm.size
+    rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
+    paths = _files_of(found, rank, size)
+    resized = len(found) != size
     iterator = path + 'updater/iterator:main/'
     with _reading(paths[0]):
         serializers.load_npz(paths[0], target, ignore_names=[

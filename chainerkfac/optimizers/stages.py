@@ -5,6 +5,8 @@ et al. (CVPR 2019) Algorithm 1 and hands every stage that depends on where
 the blocks live to a :class:`Stages` object::
 
     prepare          once per update, before the step
+    broadcast_new_parameters
+                     after backward: lazily initialised weights from rank 0
     reduce           gradients and statistics after backward (stage 3)
     agree            every process takes the step, or none
     owned            the blocks this process refreshes (stages 4-5)
@@ -39,6 +41,19 @@ class Stages(abc.ABC):
     def prepare(self, optimizer):
         """Called at the start of every :meth:`KFAC.update
         <chainerkfac.optimizers.KFAC.update>`."""
+
+    @abc.abstractmethod
+    def broadcast_new_parameters(self, optimizer):
+        """Called after the step's forward and backward passes: gives the
+        parameters that lazily initialised links created in them rank 0's
+        values on every process; returns whether it did (the gradients
+        are then to be computed again)."""
+
+    @abc.abstractmethod
+    def abandon(self, error):
+        """Called when ``error`` stops this process in the middle of an
+        update, before it propagates: ends the other processes, waiting in
+        the step's collectives, where nothing else would."""
 
     @abc.abstractmethod
     def redistribute(self, optimizer, resume):
@@ -121,6 +136,12 @@ class LocalStages(Stages):
             self._checked_mpi = True
             if not optimizer.independent_processes:
                 refuse_under_mpi()
+
+    def broadcast_new_parameters(self, optimizer):
+        return False
+
+    def abandon(self, error):
+        pass
 
     def redistribute(self, optimizer, resume):
         """One process holds every block: only the files are checked."""

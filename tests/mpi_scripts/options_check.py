@@ -9,6 +9,7 @@ changed on one rank only after setup, at the next step. Prints
 """
 import chainerkfac  # NOQA: the NumPy-2 shims come before Chainer
 
+import chainer
 import chainer.functions as F
 import numpy
 
@@ -66,4 +67,16 @@ if comm.rank == 0:
 rank_checks.expect_error(
     comm, ValueError, lambda: optimizer.update(lossfun, x, t),
     "option 'lr'", '0.05 on rank 0', '0.1 on rank 1', 'at iteration 2')
+
+# An optimizer hook added on one rank only, after setup: the next step
+# stops both ranks, naming the hooks and their settings.
+optimizer = build(comm, {'lr': 0.1})
+model = optimizer.target
+optimizer.update(lossfun, x, t)
+if comm.rank == 0:
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+rank_checks.expect_error(
+    comm, ValueError, lambda: optimizer.update(lossfun, x, t),
+    "option 'optimizer hooks'", 'WeightDecay (pre): rate=0.0001 on rank 0',
+    'none on rank 1')
 print('rank {}: ok'.format(comm.rank), flush=True)
