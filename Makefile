@@ -51,6 +51,10 @@ $(eval $(call venv_rules,$(VENV_NP1),$(NUMPY1)))
 # seed fixes the run: two runs print the same numbers.
 DEMO_DATA := result/demo/data
 demo: $(VENV)/.installed
+	@echo "make demo: the ImageNet example's small ResNet with the paper's recipe"
+	@echo "(configs/small.json: the natural step, damping warm-up, factors every"
+	@echo "step) on 2 CPU processes; 'make compare' runs the one-line swap"
+	@echo "KFAC(lr, momentum) against MomentumSGD on the digits."
 	$(VENV)/bin/python examples/imagenet/prepare.py digits $(DEMO_DATA)
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 \
 		$(VENV)/bin/python examples/imagenet/train.py \
