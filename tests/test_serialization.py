@@ -12,6 +12,7 @@ import numpy
 import pytest
 
 import chainerkfac
+from chainerkfac.curvature import block_state
 
 from tests import mpi_helpers
 from tests import snapshot_helpers
@@ -220,9 +221,9 @@ def merged(out):
             name = key.rsplit('/', 1)[-1]
             if '/kfac/' not in key:
                 values.setdefault(key, state[key])
-            elif name in ('A', 'G', 'F') and \
-                    state[key + '@present'] == 1:
-                values[key] = state[key]
+            elif name in ('A', 'G', 'F') and state[key + '@present']:
+                values[key] = block_state.unpack(
+                    state[key], state[key + '@present'])
     return values
 
 
@@ -367,7 +368,7 @@ def test_snapshot_with_other_layers_options_or_nonfinite_is_refused():
         loading_into(MLP(), chainerkfac.optimizers.KFAC(
             conv_factors='reduced'))
     state['kfac/l2/G'] = state['kfac/l2/G'].copy()
-    state['kfac/l2/G'][0, 0] = numpy.inf
+    state['kfac/l2/G'][0] = numpy.inf  # (stored as its upper triangle)
     with pytest.raises(ValueError, match='non-finite G of K-FAC layer l2'):
         loading_into(MLP())
 

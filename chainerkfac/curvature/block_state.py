@@ -1,7 +1,8 @@
 """What a Fisher block saves and loads: its factors, refresh schedules and
 inverse form (the one built in the background too), each array with an
-entry saying whether it is stored, loaded arrays checked to be finite and
-sent to the block's device.
+entry saying whether and how it is stored (symmetric matrices and
+triangular factors as one triangle), loaded arrays checked to be finite
+and sent to the block's device.
 """
 import numpy
 from chainer import backend
@@ -27,19 +28,22 @@ class SnapshotState:
         return True
 
     def _serialize_array(self, serializer, key, value):
-        present = int(serializer(_present_key(key), int(value is not None)))
-        if not present:
+        loading = isinstance(serializer, serializer_module.Deserializer)
+        layout = None if loading or value is None else _layout(value)
+        present = int(serializer(_present_key(key), ABSENT if value is None
+                                 else layout))
+        if present == ABSENT:
             return None
-        if isinstance(serializer, serializer_module.Deserializer):
+        if loading:
             # A copy: the factors are folded in place, and a snapshot kept
             # in memory must not change with the run that loaded it.
-            loaded = numpy.array(serializer(key, None))
+            loaded = unpack(numpy.array(serializer(key, None)), present)
             if not numpy.isfinite(loaded).all():
                 raise ValueError('snapshot holds a non-finite {} of K-FAC '
                                  'layer {}'.format(key, self.name))
             device = backend.get_device_from_array(self.params()[0].array)
             return device.send(loaded)
-        serializer(key, value)
+        serializer(key, _packed(value, layout))
         return value
 
     def serialize_schedules(self, serializer):
@@ -104,5 +108,56 @@ class SnapshotState:
 
 
 def _present_key(key):
-    """The entry that says whether array ``key`` of a block is stored."""
+    """The entry that says whether array ``key`` of a block is stored, and
+    how (:data:`ABSENT`, :data:`FULL`, :data:`SYMMETRIC`, :data:`LOWER`)."""
     return key + '@present'
+
+
+#: How an array is stored: not at all, whole, as the upper triangle of a
+#: symmetric matrix (the factors, explicit inverses), or as the lower
+#: triangle of a lower-triangular one (Cholesky factors); the triangles of
+#: an array in Fortran order (LAPACK's results) load in that order, in
+#: which the products that read it round as before. The triangles halve
+#: a snapshot's curvature and give back the same bits.
+ABSENT, FULL, SYMMETRIC, LOWER, SYMMETRIC_F, LOWER_F = range(6)
+
+
+def _layout(value):
+    """The layout a square matrix that is exactly symmetric or lower
+    triangular is stored in; :data:`FULL` for any other array."""
+    value = backend.CpuDevice().send(value)
+    if value.ndim != 2 or value.shape[0] != value.shape[1] or \
+            value.shape[0] < 2:
+        return FULL
+    fortran = not value.flags.c_contiguous and value.flags.f_contiguous
+    if (value == value.T).all():
+        return SYMMETRIC_F if fortran else SYMMETRIC
+    if not numpy.triu(value, 1).any():
+        return LOWER_F if fortran else LOWER
+    return FULL
+
+
+def _packed(value, layout):
+    if layout == FULL:
+        return value
+    value = backend.CpuDevice().send(value)
+    rows, cols = (numpy.triu_indices if layout in (SYMMETRIC, SYMMETRIC_F)
+                  else numpy.tril_indices)(len(value))
+    return value[rows, cols]
+
+
+def unpack(stored, layout):
+    """The array a snapshot holds as ``stored`` in ``layout`` (the value
+    of its ``@present`` entry)."""
+    if layout == FULL:
+        return stored
+    # n (n + 1) / 2 entries: n from the quadratic formula.
+    n = int(round((numpy.sqrt(8 * stored.size + 1) - 1) / 2))
+    symmetric = layout in (SYMMETRIC, SYMMETRIC_F)
+    full = numpy.zeros((n, n), dtype=stored.dtype,
+                       order='F' if layout in (SYMMETRIC_F, LOWER_F) else 'C')
+    rows, cols = (numpy.triu_indices if symmetric else numpy.tril_indices)(n)
+    full[rows, cols] = stored
+    if symmetric:
+        full[cols, rows] = stored
+    return full
