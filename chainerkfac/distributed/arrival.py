@@ -66,18 +66,13 @@ def rendezvous(comm, value, deadline, what):
 
 
 def _wait(comm, pending, values, start, deadline, what, who):
-    """Moves the values of the completed requests of ``pending`` (rank ->
-    request) into ``values`` until none is pending; after ``deadline``
+    """:func:`_collect` until none of ``pending`` is; after ``deadline``
     seconds from ``start`` raises :class:`ArrivalTimeout`, naming the ranks
     still pending by ``who(ranks)``. Answers the roll calls of ranks that
     timed out elsewhere (``what``: where this one waits)."""
     pauses = _pauses()
     while pending:
-        for r, request in list(pending.items()):
-            done, value = request.test()
-            if done:
-                values[r] = value
-                del pending[r]
+        _collect(pending, values)
         if not pending:
             return
         answer_roll_calls(comm, 'the start of ' + what)
@@ -92,13 +87,24 @@ def _wait(comm, pending, values, start, deadline, what, who):
         time.sleep(next(pauses))
 
 
+def _collect(pending, values):
+    """Moves the values of the completed requests of ``pending`` (rank ->
+    request) into ``values``."""
+    for r, request in list(pending.items()):
+        done, value = request.test()
+        if done:
+            values[r] = value
+            del pending[r]
+
+
 def _pauses():
     """A growing pause between polls (up to 2 ms), so that a waiting rank
-    leaves its core to the ones at work."""
+    leaves its core to the ones at work; growing by a quarter, a
+    collective's end is seen at most about a quarter of its time late."""
     pause = 1e-5
     while True:
         yield pause
-        pause = min(2 * pause, 2e-3)
+        pause = min(1.25 * pause, 2e-3)
 
 
 def answer_roll_calls(comm, where):
@@ -121,11 +127,7 @@ def roll_call(comm, where):
     pending = {r: comm.irecv(source=r, tag=_ANSWER_TAG) for r in others}
     answers, start, pauses = {}, time.monotonic(), _pauses()
     while pending and time.monotonic() - start < GRACE:
-        for r, request in list(pending.items()):
-            done, value = request.test()
-            if done:
-                answers[r] = value
-                del pending[r]
+        _collect(pending, answers)
         answer_roll_calls(comm, where)
         time.sleep(next(pauses))
     return answers
