@@ -33,21 +33,28 @@ class OutputGradientHook(chainer.FunctionHook):
     name = 'chainerkfac_output_gradient'
 
     def __init__(self, block, context, output_index, timing=None,
-                 arrived=None):
+                 arrived=None, token=None):
         self.block = block
         self.context = context
         self.output_index = output_index
         self.timing = timing or _untimed
         self.arrived = arrived
+        #: The pass's token for the block's kept rows, or ``None``.
+        self.token = token
 
     def backward_preprocess(self, function, in_data, out_grad):
         gy = out_grad[self.output_index]
-        if gy is not None:
-            if self.arrived is not None:
-                self.arrived(self.block, len(gy))
-            with self.timing('statistics_backward'):
-                self.block.backward_statistics(
-                    self.context, linalg.widened(gy), function)
+        if gy is None:
+            return
+        gy = linalg.widened(gy)
+        if self.token is not None:
+            self.block.keep_output_gradient(self.token, gy)
+        if self.context is None:
+            return
+        if self.arrived is not None:
+            self.arrived(self.block, len(gy))
+        with self.timing('statistics_backward'):
+            self.block.backward_statistics(self.context, gy, function)
 
 
 class StatisticsHook(chainer.LinkHook):
@@ -58,6 +65,9 @@ class StatisticsHook(chainer.LinkHook):
             so a deep copy or an unpickled model keys on its own links).
         next_step (callable): Returns the optimizer step the statistics of a
             forward pass now will be used for (``optimizer.t + 1``).
+        rows_wanted (callable): Returns whether the step may precondition
+            from the passes' rows (:mod:`chainerkfac.curvature.low_rank`);
+            ``None``: never.
         timing (callable): ``timing(stage)``, a context that times a stage
             (:meth:`KFAC.timing <chainerkfac.optimizers.KFAC.timing>`);
             ``None``: untimed.
@@ -69,9 +79,10 @@ class StatisticsHook(chainer.LinkHook):
 
     name = 'chainerkfac_statistics'
 
-    def __init__(self, blocks, next_step, timing=None):
+    def __init__(self, blocks, next_step, timing=None, rows_wanted=None):
         self.blocks = blocks
         self.next_step = next_step
+        self.rows_wanted = rows_wanted
         self.timing = timing or _untimed
         self._samples = {}
         # Samples whose forward statistics wait for their backward ones,
@@ -93,21 +104,27 @@ class StatisticsHook(chainer.LinkHook):
                              'in a training forward pass'.format(block.name))
         self._samples[link] = self._samples.get(link, 0) + len(x)
         wanted = block.wanted(self.next_step())
-        if not wanted:
+        x = x.array if isinstance(x, chainer.Variable) else x
+        keep = self.rows_wanted is not None and block.keeps_rows(x) \
+            and self.rows_wanted()
+        if not (wanted or keep):
             return
-        with self.timing('statistics_forward'):
-            context = block.forward_statistics(linalg.widened(
-                x.array if isinstance(x, chainer.Variable) else x), wanted)
-        if context is None:
-            return
+        x = linalg.widened(x)
+        context = None
+        if wanted:
+            with self.timing('statistics_forward'):
+                context = block.forward_statistics(x, wanted)
         out = args.out
         node = out.creator_node
-        if node is None:
+        if node is None or (context is None and not keep):
             return
+        token = block.keep_input(x) if keep else None
         index = [ref() for ref in node.outputs].index(out.node)
-        node.add_hook(OutputGradientHook(block, context, index,
-                                         self.timing, self._arrived))
-        self._awaited[block] = self._awaited.get(block, 0) + len(x)
+        node.add_hook(OutputGradientHook(
+            block, context, index, self.timing,
+            self._arrived if context is not None else None, token))
+        if context is not None:
+            self._awaited[block] = self._awaited.get(block, 0) + len(x)
 
     def _arrived(self, block, n_samples):
         self._awaited[block] = self._awaited.get(block, 0) - n_samples

@@ -299,6 +299,14 @@ def kronecker_precondition(grad, A_inv, G_inv):
     return G_inv @ grad @ A_inv
 
 
+def low_rank_precondition(left, right, A_inv, G_inv):
+    """``V = G_d⁻¹ (Lᵀ R) A_d⁻¹ = (G_d⁻¹ Lᵀ)(R A_d⁻¹)`` for a gradient
+    ``∇W̄ = Lᵀ R`` of ``N`` columns (``L`` of shape ``(N, d_G)``, ``R``
+    ``(N, d_A)``): ``N (d_G² + d_A² + d_G d_A)`` operations instead of
+    ``d_G d_A (d_A + d_G)``."""
+    return (G_inv @ left.T) @ (right @ A_inv)
+
+
 def doubly_factored_product(grad, K, Psi, G):
     """``(Ψ ⊗ K ⊗ G) vec(∇)``, as an ``(out, C T)`` matrix: the weight
     gradient ``∇`` of shape ``(out, C T)`` (input channel ``c``, position
@@ -343,6 +351,12 @@ def cholesky_precondition(grad, L_A, L_G):
     """``V = G_d⁻¹ ∇W̄ A_d⁻¹`` from the Cholesky factors ``A_d = L_A L_Aᵀ``,
     ``G_d = L_G L_Gᵀ``: ``A_d⁻¹ ∇W̄ᵀ``, transposed, then ``G_d⁻¹ (·)``."""
     return _cholesky_solve(L_G, _cholesky_solve(L_A, grad.T).T)
+
+
+def cholesky_low_rank_precondition(left, right, L_A, L_G):
+    """:func:`low_rank_precondition` from the Cholesky factors of
+    :func:`cholesky_precondition`: ``(G_d⁻¹ Lᵀ)(A_d⁻¹ Rᵀ)ᵀ``."""
+    return _cholesky_solve(L_G, left.T) @ _cholesky_solve(L_A, right.T).T
 
 
 def mixed_precondition(grad, A_inv=None, G_inv=None, A_chol=None,

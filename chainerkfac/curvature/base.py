@@ -339,6 +339,24 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         self.form = None
         self.pending = None
 
+    def keeps_rows(self, x):
+        """Whether a training pass with input ``x`` keeps its rows for a
+        cheaper exact product (:mod:`chainerkfac.curvature.low_rank`;
+        only a Linear's block does)."""
+        return False
+
+    def scale_rows(self, factor):
+        """The kept rows' gradient was scaled by ``factor`` (see
+        :meth:`keeps_rows`)."""
+
+    def clear_rows(self):
+        """Drops the rows kept since the last step (see
+        :meth:`keeps_rows`)."""
+
+    def apply_form(self, grad):
+        """``V = F̂⁻¹ grad`` by the block's form."""
+        return self.form.apply(grad)
+
     def precondition(self, weight_decay=0.0, last=None):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
         and returns the block's sums for the step rule
@@ -349,7 +367,7 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         if not self.ready():
             return step_rule.identity_terms(self.gradient(), last)
         grad = self.gradient(weight_decay)
-        preconditioned = self.form.apply(grad)
+        preconditioned = self.apply_form(grad)
         # The sums before set_gradient: the gradient of a layer without a
         # bias (and without the decay term) is a view of param.grad, which
         # set_gradient overwrites with V.

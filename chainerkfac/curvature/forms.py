@@ -62,6 +62,15 @@ class Form:
         """``V = (F̂ + damping)⁻¹ grad``."""
         raise NotImplementedError
 
+    #: Whether :meth:`apply_low_rank` exists (factored damping: ``F̂⁻¹``
+    #: is a Kronecker product of two inverses).
+    low_rank = False
+
+    def apply_low_rank(self, left, right):
+        """:meth:`apply` of the gradient ``leftᵀ right``
+        (:mod:`chainerkfac.curvature.low_rank`), without forming it."""
+        raise NotImplementedError
+
     @property
     def nbytes(self):
         return sum(a.nbytes for a in self.arrays.values())
@@ -114,6 +123,12 @@ class KroneckerInverses(_Sliceable):
         return linalg.kronecker_precondition(grad, self.arrays['A_inv'],
                                              self.arrays['G_inv'])
 
+    low_rank = True
+
+    def apply_low_rank(self, left, right):
+        return linalg.low_rank_precondition(
+            left, right, self.arrays['A_inv'], self.arrays['G_inv'])
+
     def sides(self):
         """``(A_d⁻¹, G_d⁻¹)``."""
         return self.arrays['A_inv'], self.arrays['G_inv']
@@ -141,6 +156,12 @@ class KroneckerCholesky(Form):
     def apply(self, grad):
         return linalg.cholesky_precondition(grad, self.arrays['A_chol'],
                                             self.arrays['G_chol'])
+
+    low_rank = True
+
+    def apply_low_rank(self, left, right):
+        return linalg.cholesky_low_rank_precondition(
+            left, right, self.arrays['A_chol'], self.arrays['G_chol'])
 
 
 class KroneckerMixed(_Sliceable):

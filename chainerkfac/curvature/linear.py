@@ -2,6 +2,7 @@
 from chainerkfac.curvature import base
 from chainerkfac.curvature import doubly_factored
 from chainerkfac.curvature import kronecker
+from chainerkfac.curvature import low_rank
 
 
 class LinearBlock(kronecker.KroneckerBlock):
@@ -29,6 +30,42 @@ class LinearBlock(kronecker.KroneckerBlock):
         #: could not be compared with at setup; its first input is.
         self.unsized_threshold = (options.doubly_factored_from
                                   if link.W.array is None else None)
+        #: The step's rows, for the low-rank product
+        #: (:mod:`chainerkfac.curvature.low_rank`).
+        self.rows = low_rank.Rows()
+
+    def keeps_rows(self, x):
+        W = self.link.W
+        if self.form is None or not self.form.low_rank or W.array is None:
+            return False
+        return low_rank.pays(len(self.rows) + x.size // W.shape[1],
+                             *self.dims())
+
+    def keep_input(self, x):
+        """Keeps a training pass's input rows; returns the pass's token for
+        :meth:`keep_output_gradient`."""
+        return self.rows.add_input(x.reshape(-1, self.link.W.shape[1]))
+
+    def keep_output_gradient(self, token, gy):
+        """Keeps the output gradient of the pass ``token``."""
+        self.rows.add_gradient(token, gy.reshape(-1, gy.shape[-1]))
+
+    def scale_rows(self, factor):
+        self.rows.scale *= factor
+
+    def clear_rows(self):
+        self.rows.clear()
+
+    def apply_form(self, grad):
+        """The low-rank product where the step's rows are the whole
+        gradient and it pays (:mod:`chainerkfac.curvature.low_rank`),
+        else the form's dense one."""
+        rows = self.rows.take(self.has_bias)
+        if (rows is not None and self.form.low_rank
+                and low_rank.pays(len(rows[0]), *self.dims())
+                and low_rank.agrees(grad, *rows)):
+            return self.form.apply_low_rank(*rows)
+        return self.form.apply(grad)
 
     def forward_statistics(self, x, wanted):
         threshold, self.unsized_threshold = self.unsized_threshold, None

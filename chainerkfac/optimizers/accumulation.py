@@ -45,4 +45,6 @@ def gradients(optimizer, lossfun, args, kwds):
         for param in optimizer.target.params():
             if param.grad is not None:
                 param.grad /= optimizer.acc_iters
+        for block in optimizer.blocks:
+            block.scale_rows(1 / optimizer.acc_iters)
     return float(sum(losses)) / len(losses)

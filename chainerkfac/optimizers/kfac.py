@@ -150,6 +150,15 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     def _next_step(self):
         return self.t + 1
 
+    def _rows_wanted(self):
+        """Whether the step's Linear layers may precondition from their
+        batch's rows (:mod:`chainerkfac.curvature.low_rank`): where those
+        rows are the whole gradient, in one process, without pre-update
+        optimizer hooks or ``weight_decay``, which add to it."""
+        return (not self.hyperparam.weight_decay
+                and not self._hookable._pre_update_hooks
+                and self._stages.rank_and_size()[1] == 1)
+
     def timing(self, stage):
         """A context that adds its wall time to ``stage`` of
         :attr:`stage_timer` (:mod:`chainerkfac.timing`)."""
@@ -185,7 +194,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         # Bound methods, not closures: a set-up optimizer (and its model)
         # must pickle and deep-copy, the copy's hook reading the copy.
         self._hook = hooks.StatisticsHook(by_link, self._next_step,
-                                          self.timing)
+                                          self.timing, self._rows_wanted)
         for block in self.blocks:
             if self._hook.name in block.link.local_link_hooks:
                 block.link.delete_hook(self._hook.name)
@@ -293,6 +302,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self.discard_statistics()
             self._stages.abandon(error)
             raise
+        self._clear_rows()
         chainer.report({'kfac/skipped_steps': int(not taken)})
         if not taken:
             nonfinite.restore(running)
@@ -300,11 +310,18 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if taken:
             self._monitor.observe(self.t, mean_loss, scale)
 
+    def _clear_rows(self):
+        """Drops the rows a step's blocks did not use (one that skipped
+        or raised, or did not precondition them)."""
+        for block in self.blocks:
+            block.clear_rows()
+
     def discard_statistics(self):
         """Drops the statistics and sample counts collected since the last
         step (of forward passes whose step did not happen)."""
         for block in self.blocks:
             block.discard_statistics()
+        self._clear_rows()
         if self._hook is not None:
             self._hook.discard()
 
