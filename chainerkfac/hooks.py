@@ -105,6 +105,7 @@ class StatisticsHook(chainer.LinkHook):
         self._samples[link] = self._samples.get(link, 0) + len(x)
         wanted = block.wanted(self.next_step())
         x = x.array if isinstance(x, chainer.Variable) else x
+        block.note_pass(x)
         keep = self.rows_wanted is not None and block.keeps_rows(x) \
             and self.rows_wanted()
         if not (wanted or keep):

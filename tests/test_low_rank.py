@@ -151,3 +151,32 @@ def test_cost_model_keeps_the_dense_product_for_wide_batches():
     assert not low_rank.pays(600, 785, 1000)
     # A narrow head (10 outputs): never.
     assert not low_rank.pays(100, 1001, 10)
+
+
+def test_describe_gives_each_layers_work_over_its_passes(monkeypatch):
+    numpy.random.seed(0)
+    model = L.Classifier(MLP())
+    optimizer = chainerkfac.optimizers.KFAC(lr=0.1)
+    optimizer.setup(model)
+    assert 'work' not in optimizer.describe()  # no pass yet
+    x, t = batch(0, 1)
+    optimizer.update(model, x, t)
+    lines = optimizer.describe().splitlines()
+    l1 = next(line for line in lines if 'predictor/l1' in line)
+    # l1: 6 rows, A 21x21, G 30x30; its passes 6 * 6 * 21 * 30 operations;
+    # stale: the low-rank product 2 * 6 * (30² + 21² + 30 * 21) and 10
+    # per parameter; refresh: the statistics 2 * 6 * (21² + 30²) and the
+    # inverses 2 (21³ + 30³) more.
+    passes = 6 * 6 * 21 * 30
+    stale = 2 * 6 * (900 + 441 + 630) + 10 * 630
+    refresh = stale + 2 * 6 * (441 + 900) + 2 * (21 ** 3 + 30 ** 3)
+    assert 'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(
+        stale / passes, refresh / passes) in l1
+    assert "K-FAC's work per step" in lines[-1]
+    # With a WeightDecay hook the rows are not the gradient: the dense
+    # product, 2 * 30 * 21 * (21 + 30).
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+    l1 = next(line for line in optimizer.describe().splitlines()
+              if 'predictor/l1' in line)
+    dense = 2 * 30 * 21 * 51 + 10 * 630
+    assert 'stale {:.2f}x'.format(dense / passes) in l1

@@ -14,6 +14,7 @@ Damping is applied only when building the inverse form
 :mod:`chainerkfac.linalg`); the stored statistics never contain it.
 """
 import collections
+import dataclasses
 import logging
 
 from chainer import backend
@@ -90,6 +91,9 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         self._sum = dict.fromkeys(self.factors)
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
+        #: Rows (samples times positions) of the last training pass, for
+        #: the cost of a step (:meth:`step_costs`); 0 before the first.
+        self.pass_rows = 0
 
     def form_family(self, options):
         """The :class:`~chainerkfac.curvature.families.Family` the
@@ -338,6 +342,27 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
                      for f in self.factors}
         self.form = None
         self.pending = None
+
+    def note_pass(self, x):
+        """Records the rows of a training pass with input ``x`` (its
+        samples; a Kronecker block's times its positions)."""
+        self.pass_rows = len(x)
+
+    def step_costs(self, acc_iters=1, low_rank=True):
+        """``(pass, stale, refresh)``: the operations of the layer's
+        forward and backward passes over a step of ``acc_iters`` passes
+        like the last, and K-FAC's on a stale and on a refresh step
+        (:meth:`BlockCost.step_costs
+        <chainerkfac.curvature.cost.BlockCost.step_costs>`; ``low_rank``
+        whether the step may precondition from its rows), or ``None``
+        without a cost or before the first training pass."""
+        block_cost = self.cost()
+        if block_cost is None or not self.pass_rows:
+            return None
+        block_cost = dataclasses.replace(
+            block_cost, rows=self.pass_rows * acc_iters,
+            low_rank=block_cost.low_rank and low_rank)
+        return (block_cost.pass_cost(),) + block_cost.step_costs()
 
     def keeps_rows(self, x):
         """Whether a training pass with input ``x`` keeps its rows for a

@@ -108,6 +108,9 @@ class BatchNormalizationBlock(base.FisherBlock):
             p.grad[...] = grad[offset:offset + p.size].reshape(p.shape)
             offset += p.size
 
+    def note_pass(self, x):
+        self.pass_rows = x.size // x.shape[1]
+
     def cost(self):
         # The cost model counts channels and doubles them for (γ, β).
         return cost.BlockCost(self.name, self.bn_fisher,

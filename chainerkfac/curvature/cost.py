@@ -8,6 +8,7 @@ process (:mod:`chainerkfac.cpu_parallel`).
 import dataclasses
 
 from chainerkfac import linalg
+from chainerkfac.curvature import low_rank
 
 
 #: Block kinds and the number of dimensions each takes.
@@ -68,6 +69,12 @@ class BlockCost:
     name: str
     kind: str
     dims: tuple
+    #: Rows of one step's batch (samples times positions; samples for
+    #: ``'doubly_factored'``), for :meth:`step_costs`; 0 unknown.
+    rows: int = 0
+    #: Whether the block can precondition from its batch's rows
+    #: (:mod:`chainerkfac.curvature.low_rank`, a Linear's block).
+    low_rank: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -105,6 +112,49 @@ class BlockCost:
             return 2 * d_k * d_psi * d_g * (d_k + d_psi + d_g) + 2 * d_g ** 2
         c2 = 2 * self.dims[0]
         return 2 * c2 ** 2 if self.kind == 'full' else c2
+
+    def pass_cost(self):
+        """Operations of the layer's forward and backward passes over
+        :attr:`rows`: three products of ``rows x d_in x d_out``
+        (``6 rows d_in d_out``) for a Kronecker or doubly-factored block;
+        0 for BatchNorm, which is element-wise."""
+        if self.kind == 'kronecker':
+            d_a, d_g = self.dims
+            return 6 * self.rows * d_a * d_g
+        if self.kind == 'doubly_factored':
+            d_k, d_psi, d_g = self.dims
+            return 6 * self.rows * d_k * d_psi * d_g
+        return 0
+
+    def step_costs(self):
+        """``(stale, refresh)``: K-FAC's operations on a step that refreshes
+        nothing and on one that refreshes the statistics and the inverses.
+
+        Stale: preconditioning (:func:`low_rank.pays
+        <chainerkfac.curvature.low_rank.pays>` decides, for a block that
+        can, whether from the batch's rows, ``2 N (d_G² + d_A² + d_G
+        d_A)``) and about 10 operations a parameter (the step rule's sums,
+        the checks, momentum). Refresh: that, the statistics (``2 N (d_A²
+        + d_G²)`` for a Kronecker block) and the inverses at
+        :data:`LAPACK_SLOWDOWN` times the operations of a product."""
+        precondition = self.precondition_cost
+        if self.kind == 'kronecker':
+            d_a, d_g = self.dims
+            params = d_a * d_g
+            statistics = 2 * self.rows * (d_a * d_a + d_g * d_g)
+            if self.low_rank and low_rank.pays(self.rows, d_a, d_g):
+                precondition = 2 * self.rows * (d_g * d_g + d_a * d_a
+                                                + d_g * d_a)
+        elif self.kind == 'doubly_factored':
+            d_k, d_psi, d_g = self.dims
+            params = d_k * d_psi * d_g
+            statistics = 2 * self.rows * (d_k * d_psi * (d_k + d_psi)
+                                          + d_g * d_g)
+        else:
+            params = 2 * self.dims[0]
+            statistics = 2 * self.rows * params
+        stale = precondition + 10 * params
+        return stale, stale + statistics + LAPACK_SLOWDOWN * self.inverse_cost
 
     def explicit_form(self, refresh_fraction=1.0):
         """Whether a Kronecker block whose inverses are refreshed on a

@@ -249,6 +249,10 @@ class KroneckerBlock(base.FisherBlock):
             return 1, 1
         return W.size // W.shape[0] + int(self.has_bias), W.shape[0]
 
+    def note_pass(self, x):
+        self.pass_rows = len(x) * self.input_positions(x) \
+            if self.link.W.array is not None else len(x)
+
     def cost(self):
         return cost.BlockCost(self.name, 'kronecker', self.dims())
 

@@ -1,4 +1,6 @@
 """Fisher block of :class:`chainer.links.Linear`."""
+import dataclasses
+
 from chainerkfac.curvature import base
 from chainerkfac.curvature import doubly_factored
 from chainerkfac.curvature import kronecker
@@ -33,6 +35,9 @@ class LinearBlock(kronecker.KroneckerBlock):
         #: The step's rows, for the low-rank product
         #: (:mod:`chainerkfac.curvature.low_rank`).
         self.rows = low_rank.Rows()
+
+    def cost(self):
+        return dataclasses.replace(super().cost(), low_rank=True)
 
     def keeps_rows(self, x):
         W = self.link.W

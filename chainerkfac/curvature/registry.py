@@ -67,12 +67,13 @@ register(L.DilatedConvolution2D, convolution_2d.Convolution2DBlock)
 register(L.BatchNormalization, batch_normalization.BatchNormalizationBlock)
 
 
-def coverage(model, blocks, unsupported, placement=None):
+def coverage(model, blocks, unsupported, placement=None, notes=None):
     """The lines of a table of what updates each link of ``model``: each
-    of ``blocks`` (with the rank that owns it, ``placement[i]``, in a
-    distributed run), each link of ``unsupported`` (``(name, reason)``
-    pairs: momentum SGD), the other parameters that momentum SGD updates,
-    and those nothing updates (added after setup)."""
+    of ``blocks`` (with ``notes[i]`` if given and not ``None``, and the
+    rank that owns it, ``placement[i]``, in a distributed run), each
+    link of ``unsupported`` (``(name, reason)`` pairs: momentum SGD), the
+    other parameters that momentum SGD updates, and those nothing updates
+    (added after setup)."""
     covered = {id(p) for b in blocks for p in b.params()}
     params = list(model.namedparams(include_uninit=True))
     # A parameter added after setup has no update rule: nothing updates
@@ -80,9 +81,11 @@ def coverage(model, blocks, unsupported, placement=None):
     frozen = [name for name, p in params if p.update_rule is None]
     sgd = [name for name, p in params
            if id(p) not in covered and p.update_rule is not None]
-    rows = [(b.name, b.describe() if placement is None
-             else '{}; {}'.format(b.describe(), placement[i]))
-            for i, b in enumerate(blocks)]
+    rows = [(b.name, '; '.join(
+        [b.describe()]
+        + ([] if notes is None or notes[i] is None else [notes[i]])
+        + ([] if placement is None else [placement[i]])))
+        for i, b in enumerate(blocks)]
     rows += [(name, 'momentum SGD: {}'.format(reason))
              for name, reason in unsupported]
     width = max([len(r[0]) for r in rows] + [4])

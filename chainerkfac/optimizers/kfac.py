@@ -230,14 +230,35 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
     def describe(self):
         """A table of which links get K-FAC and which get momentum SGD, and,
-        in a distributed run, which rank owns each K-FAC link."""
+        in a distributed run, which rank owns each K-FAC link. After a
+        training pass, each K-FAC layer's estimated work on a stale step
+        and on a refresh step, over its forward and backward passes
+        (:meth:`FisherBlock.step_costs
+        <chainerkfac.curvature.base.FisherBlock.step_costs>`), and the
+        model's."""
         self._check_set_up()
         header = ('KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} '
                   'blocks'.format(self.step_rule.name, self.inverse,
                                   self.bn_fisher, len(self.blocks)))
-        return '\n'.join([header] + registry.coverage(
+        costs = [block.step_costs(self.acc_iters, self._rows_wanted())
+                 for block in self.blocks]
+        notes = ['work: stale {:.2f}x, refresh {:.2f}x its passes'.format(
+            stale / passes, refresh / passes)
+            if passes else None
+            for passes, stale, refresh in (c or (0, 0, 0) for c in costs)]
+        lines = [header] + registry.coverage(
             self.target, self.blocks, self._unsupported,
-            self._stages.placement(self.blocks)))
+            self._stages.placement(self.blocks), notes)
+        known = [c for c in costs if c is not None]
+        if known and sum(c[0] for c in known):
+            passes, stale, refresh = (sum(c[i] for c in known)
+                                      for i in range(3))
+            lines.append(
+                '  K-FAC\'s work per step, estimated at the last training '
+                "pass's batch, over the K-FAC layers' forward and backward "
+                'passes: stale step {:.2f}x, refresh step {:.2f}x'.format(
+                    stale / passes, refresh / passes))
+        return '\n'.join(lines)
 
     def hook_descriptions(self):
         """``'name (timing): attribute=value, ...'`` of every optimizer
