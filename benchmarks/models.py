@@ -147,6 +147,62 @@ class WideMLP(MLP):
         return self.l3(F.relu(self.l1(x)))
 
 
+class ChainerMNISTMLP(chainer.Chain):
+    """Chainer's MNIST example's network (``examples/mnist/train_mnist.py``,
+    ``--unit 1000``): ``L.Linear(None, 1000)`` twice with ReLU, then
+    ``L.Linear(None, 10)``."""
+
+    def __init__(self, n_units=1000, n_out=10):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(None, n_units)
+            self.l3 = L.Linear(None, n_out)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+class ChainerCIFARVGG(chainer.Chain):
+    """Chainer's CIFAR example's VGG (``examples/cifar/models/VGG.py``):
+    13 conv (3x3, no bias) + BatchNorm + ReLU layers of 64-512 channels in
+    five stages with max-pooling and dropout, then
+    ``Linear(None, 512, nobias=True)`` + BatchNorm + ReLU and
+    ``Linear(None, 10, nobias=True)``."""
+
+    STAGES = ((64, 2, 0.3), (128, 2, 0.4), (256, 3, 0.4), (512, 3, 0.4),
+              (512, 3, 0.4))
+
+    def __init__(self, n_classes=10):
+        super().__init__()
+        self.plan = []
+        with self.init_scope():
+            for s, (channels, n, drop) in enumerate(self.STAGES):
+                for i in range(n):
+                    name = 'block{}_{}'.format(s + 1, i + 1)
+                    setattr(self, name + '_conv', L.Convolution2D(
+                        None, channels, 3, pad=1, nobias=True))
+                    setattr(self, name + '_bn', L.BatchNormalization(
+                        channels))
+                    self.plan.append((name, drop if i < n - 1 else None))
+            self.fc1 = L.Linear(None, 512, nobias=True)
+            self.bn_fc1 = L.BatchNormalization(512)
+            self.fc2 = L.Linear(None, n_classes, nobias=True)
+
+    def forward(self, x):
+        h = x
+        for name, drop in self.plan:
+            h = F.relu(getattr(self, name + '_bn')(
+                getattr(self, name + '_conv')(h)))
+            if drop is None:
+                h = F.max_pooling_2d(h, 2, 2)
+            else:
+                h = F.dropout(h, drop)
+        h = F.dropout(h, 0.5)
+        h = F.dropout(F.relu(self.bn_fc1(self.fc1(h))), 0.5)
+        return self.fc2(h)
+
+
 #: name -> (factory, input shape of one sample, number of classes)
 MODELS = {
     'resnet50': (lambda: ResNet50(1000), (3, 224, 224), 1000),
@@ -159,12 +215,16 @@ MODELS = {
     'mlp': (lambda: MLP(), (784,), 10),
     # One block (l1: A 785, G 2048) holds almost all the curvature work.
     'wide_mlp': (lambda: WideMLP(), (784,), 10),
+    'chainer_mnist_mlp': (lambda: ChainerMNISTMLP(), (784,), 10),
+    'chainer_cifar_vgg': (lambda: ChainerCIFARVGG(), (3, 32, 32), 10),
 }
 
 #: Default batch per model (the issue's: 32 for ResNet-50, 128 otherwise).
 DEFAULT_BATCH = {'resnet50': 32, 'resnet50_w4': 32, 'resnet50_w4_32': 16,
                  'small_cnn': 128, 'tiny_resnet': 128,
-                 'mlp': 128, 'wide_mlp': 128}
+                 'mlp': 128, 'wide_mlp': 128,
+                 # Chainer's examples' own batches.
+                 'chainer_mnist_mlp': 100, 'chainer_cifar_vgg': 64}
 
 DESCRIPTIONS = {
     'resnet50': 'ResNet-50, 224x224',
@@ -173,5 +233,7 @@ DESCRIPTIONS = {
     'small_cnn': 'small CNN (3 conv+BN, FC), 32x32',
     'tiny_resnet': 'tiny ResNet (stem + 2 basic blocks, BN), 24x24',
     'mlp': 'MLP 784-1024-1024-10',
+    'chainer_mnist_mlp': "Chainer's MNIST example, MLP 784-1000-1000-10",
+    'chainer_cifar_vgg': "Chainer's CIFAR example, VGG (13 conv+BN), 32x32",
     'wide_mlp': 'MLP 784-2048-10',
 }

@@ -355,6 +355,8 @@ def report(model_name, batch, results, configs):
                 if stale else res.get('ratio_all')),
             '{:.2f}{}'.format(res['amortised_ratio'], mark)
             if 'amortised_ratio' in res else '-',
+            '{:.2f}'.format(1 + res['work_estimate']['stale'])
+            if 'work_estimate' in res else '-',
             harness.fmt_bytes(res['state_bytes']) if res['state_bytes']
             else '-',
         ] + ([harness.fmt_bytes(res['peak_device_bytes'])]
@@ -366,7 +368,8 @@ def report(model_name, batch, results, configs):
     lines.append(harness.table(rows, [
         'config', 'median step (IQR)', 'stale step', 'amortised',
         'KFAC/SGD per round, stale or all (IQR)', 'amortised KFAC/SGD',
-        'K-FAC state'] + (['peak GPU memory'] if any(
+        'stale KFAC/SGD estimated by describe()', 'K-FAC state']
+        + (['peak GPU memory'] if any(
             'peak_device_bytes' in results[n] for n in configs) else [])
         + ['steps timed']))
     lines += ['', 'Median time per stage (s), by kind of step (medians of '
@@ -420,6 +423,14 @@ def run_model(model_name, configs, steps, warmup, batch, seed,
                 print('  {} round {}/{}: {}'.format(
                     model_name, done, steps, times), flush=True)
     results = analyse(runners)
+    for runner in runners:
+        work = runner.optimizer.work_estimate() \
+            if runner.is_kfac and runner.optimizer.use_kfac else None
+        if work is not None and work.ratios() is not None:
+            # describe()'s estimate: a stale step about 1 + stale times
+            # the passes', a MomentumSGD step about one.
+            results[runner.name]['work_estimate'] = dict(zip(
+                ('stale', 'refresh'), work.ratios()))
     if device.xp is not numpy:
         peaks = peak_device_memory(prototype, configs, device, x, t)
         for name in configs:

@@ -173,6 +173,8 @@ def test_describe_gives_each_layers_work_over_its_passes(monkeypatch):
     assert 'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(
         stale / passes, refresh / passes) in l1
     assert "K-FAC's work per step" in lines[-1]
+    total = optimizer.work_estimate()
+    assert total.passes == passes + 6 * 6 * 31 * 4
     # With a WeightDecay hook the rows are not the gradient: the dense
     # product, 2 * 30 * 21 * (21 + 30).
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))

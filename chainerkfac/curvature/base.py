@@ -23,6 +23,7 @@ from chainerkfac import background
 from chainerkfac import schedules
 from chainerkfac import step_rule
 from chainerkfac.curvature import block_state
+from chainerkfac.curvature import cost
 from chainerkfac.curvature import families
 from chainerkfac.curvature import statistics
 
@@ -348,10 +349,10 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         samples; a Kronecker block's times its positions)."""
         self.pass_rows = len(x)
 
-    def step_costs(self, acc_iters=1, low_rank=True):
-        """``(pass, stale, refresh)``: the operations of the layer's
-        forward and backward passes over a step of ``acc_iters`` passes
-        like the last, and K-FAC's on a stale and on a refresh step
+    def step_work(self, acc_iters=1, low_rank=True):
+        """The :class:`~chainerkfac.curvature.cost.StepWork` of a step of
+        ``acc_iters`` training passes like the last: the layer's forward
+        and backward passes, K-FAC's stale and refresh steps
         (:meth:`BlockCost.step_costs
         <chainerkfac.curvature.cost.BlockCost.step_costs>`; ``low_rank``
         whether the step may precondition from its rows), or ``None``
@@ -362,7 +363,8 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         block_cost = dataclasses.replace(
             block_cost, rows=self.pass_rows * acc_iters,
             low_rank=block_cost.low_rank and low_rank)
-        return (block_cost.pass_cost(),) + block_cost.step_costs()
+        return cost.StepWork(block_cost.pass_cost(),
+                             *block_cost.step_costs())
 
     def keeps_rows(self, x):
         """Whether a training pass with input ``x`` keeps its rows for a

@@ -35,6 +35,28 @@ SHARED_FACTORIZATION_MIN_DIM = 1024
 
 
 @dataclasses.dataclass(frozen=True)
+class StepWork:
+    """Operations of a step: the layers' forward and backward passes,
+    and K-FAC's on a stale step and on a refresh step."""
+
+    passes: float
+    stale: float
+    refresh: float
+
+    def __add__(self, other):
+        return StepWork(self.passes + other.passes, self.stale + other.stale,
+                        self.refresh + other.refresh)
+
+    def ratios(self):
+        """``(stale, refresh)`` over the passes (``None`` without
+        passes): a stale K-FAC step then takes about ``1 + stale`` times
+        the passes' time, where MomentumSGD's takes about one."""
+        if not self.passes:
+            return None
+        return self.stale / self.passes, self.refresh / self.passes
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockCost:
     """What the cost model needs to know about one curvature block.
 

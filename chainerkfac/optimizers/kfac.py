@@ -240,25 +240,33 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         header = ('KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} '
                   'blocks'.format(self.step_rule.name, self.inverse,
                                   self.bn_fisher, len(self.blocks)))
-        costs = [block.step_costs(self.acc_iters, self._rows_wanted())
-                 for block in self.blocks]
-        notes = ['work: stale {:.2f}x, refresh {:.2f}x its passes'.format(
-            stale / passes, refresh / passes)
-            if passes else None
-            for passes, stale, refresh in (c or (0, 0, 0) for c in costs)]
+        ratios = [work and work.ratios() for work in self._block_work()]
+        notes = [None if r is None else
+                 'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(*r)
+                 for r in ratios]
         lines = [header] + registry.coverage(
             self.target, self.blocks, self._unsupported,
             self._stages.placement(self.blocks), notes)
-        known = [c for c in costs if c is not None]
-        if known and sum(c[0] for c in known):
-            passes, stale, refresh = (sum(c[i] for c in known)
-                                      for i in range(3))
+        total = self.work_estimate()
+        if total is not None and total.ratios() is not None:
             lines.append(
                 '  K-FAC\'s work per step, estimated at the last training '
                 "pass's batch, over the K-FAC layers' forward and backward "
                 'passes: stale step {:.2f}x, refresh step {:.2f}x'.format(
-                    stale / passes, refresh / passes))
+                    *total.ratios()))
         return '\n'.join(lines)
+
+    def _block_work(self):
+        return [block.step_work(self.acc_iters, self._rows_wanted())
+                for block in self.blocks]
+
+    def work_estimate(self):
+        """The model's :class:`~chainerkfac.curvature.cost.StepWork`: the
+        cost model's operations of the K-FAC layers' forward and backward
+        passes and of K-FAC's stale and refresh steps, at the last
+        training pass's batch (``None`` before one)."""
+        known = [work for work in self._block_work() if work is not None]
+        return sum(known[1:], known[0]) if known else None
 
     def hook_descriptions(self):
         """``'name (timing): attribute=value, ...'`` of every optimizer
