@@ -182,8 +182,7 @@ class PolyakAveraging(extension.Extension):
         snapshot loads the model before its extensions), and resumes the
         average bit for bit. A snapshot written without the extension
         leaves the average to start afresh at the next step (said in the
-        log); one written before the counts were per array takes the
-        global count for every array."""
+        log)."""
         try:
             count = serializer('count', self.count)
         except KeyError:
@@ -196,11 +195,8 @@ class PolyakAveraging(extension.Extension):
             key = name.lstrip('/')
             # In place: a deserializer copies into the array it is given.
             serializer['averages'](key, averages[name])
-            try:
-                self._counts[name] = int(serializer['counts'](
-                    key, self._counts[name]))
-            except KeyError:
-                self._counts[name] = self.count
+            self._counts[name] = int(serializer['counts'](
+                key, self._counts[name]))
 
 
 class AveragedEvaluator(extensions.Evaluator):

@@ -121,7 +121,7 @@ class Backtrack:
     def serialize(self, serializer, params):
         """Saves or loads the losses, the count and the kept weights of
         ``params`` (``(name, param)`` pairs). A snapshot without them
-        (written without ``backtrack``, or by older code) starts the test
+        (written without ``backtrack``) starts the test
         afresh at the next step, which is said."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         try:

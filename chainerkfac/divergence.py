@@ -29,15 +29,12 @@ last losses, the hard clips in a row, the warnings given) is part of the
 optimizer's snapshot, so that a resumed run compares its losses with the
 same first loss as the uninterrupted one.
 """
-import logging
 import math
 import warnings
 
 import chainer
 
 from chainerkfac import step_rule
-
-logger = logging.getLogger(__name__)
 
 #: The loss counts as diverged above this multiple of the first loss.
 LOSS_GROWTH = 10.0
@@ -116,22 +113,14 @@ class DivergenceMonitor:
                ('warned_stall', StallWarning))
 
     def serialize(self, serializer):
-        """Saves or loads the monitor's state (a loss not seen yet as NaN);
-        a snapshot written before it held one leaves the monitor to start
-        afresh, which is said."""
+        """Saves or loads the monitor's state (a loss not seen yet as
+        NaN)."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        try:
-            first = serialize_loss(serializer, 'first_loss', self.first_loss)
-            last = serialize_loss(serializer, 'last_loss', self.last_loss)
-            clips = int(serializer('hard_clips', self.hard_clips))
-            warned = {category for key, category in self._WARNED
-                      if bool(serializer(key, category in self.warned))}
-        except KeyError:
-            logger.warning(
-                'the snapshot holds no state of the divergence monitor '
-                '(written by an older version): it compares the training '
-                'loss with that of the next step instead of the first')
-            return
+        first = serialize_loss(serializer, 'first_loss', self.first_loss)
+        last = serialize_loss(serializer, 'last_loss', self.last_loss)
+        clips = int(serializer('hard_clips', self.hard_clips))
+        warned = {category for key, category in self._WARNED
+                  if bool(serializer(key, category in self.warned))}
         if loading:
             self.first_loss, self.last_loss = first, last
             self.hard_clips, self.warned = clips, warned

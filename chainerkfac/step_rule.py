@@ -289,7 +289,7 @@ class GraftAverage(StepRule):
         try:
             value = serializer('averages', None)
         except KeyError:
-            value = None  # written under another rule, or by older code
+            value = None  # written under another rule
         value = None if value is None else numpy.asarray(value, float)
         self.averages = value if value is not None and value.size else None
 

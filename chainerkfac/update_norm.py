@@ -140,8 +140,8 @@ class FollowedBound:
         return kl_clip * (lr / self.peak) ** 2
 
     def serialize(self, serializer):
-        """Saves or loads ``η̂_t`` (a snapshot written before it was kept
-        leaves the built learning rate)."""
+        """Saves or loads ``η̂_t`` (a snapshot taken without
+        ``kl_clip_follows_lr`` leaves the built learning rate)."""
         if self.peak is None:
             return
         try:
@@ -202,13 +202,9 @@ class RelativeBound:
         """Saves or loads ``m_t`` (``-1``: none yet); loading none where
         ``relative`` (``c``) is set says that ``m_t`` starts afresh."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        try:
-            value = float(serializer(
-                'smallest_q_over_lr2',
-                -1.0 if self.smallest is None else self.smallest))
-        except KeyError:
-            # Written before the bound could be relative.
-            value = -1.0
+        value = float(serializer(
+            'smallest_q_over_lr2',
+            -1.0 if self.smallest is None else self.smallest))
         if not loading:
             return
         self.smallest = None if value < 0 else value

@@ -62,8 +62,32 @@ class SnapshotState:
         self.inverse_schedule.serialize(serializer['schedule_inverse'])
         self._factors_changed = bool(
             serializer('factors_changed', self._factors_changed))
-        self.form = self._serialize_form(serializer, 'inverse_', self.form)
+        self.form = self._serialize_inverse(serializer)
         self._serialize_pending(serializer)
+
+    def _serialize_inverse(self, serializer):
+        """The current form: its kind and damping alone where it was built
+        from the factors as they are (no factor changed since, none on its
+        way), rebuilt from them at load (:meth:`Family.rebuild
+        <chainerkfac.curvature.families.Family.rebuild>`); its arrays
+        otherwise."""
+        loading = isinstance(serializer, serializer_module.Deserializer)
+        form = None if loading else self.form
+        rebuilt = -1
+        if form is not None and not self._factors_changed and \
+                self.pending is None and self.family.rebuilds(form) and \
+                all(self.factor[f] is not None for f in self.factors):
+            rebuilt = self.family.kinds.index(type(form))
+        rebuilt = int(serializer('inverse_rebuilt', rebuilt))
+        if rebuilt < 0:
+            return self._serialize_form(serializer, 'inverse_', form)
+        damping = float(serializer('damping_used', -1.0 if form is None
+                                   else form.damping))
+        if not loading:
+            return form
+        return self.family.rebuild(
+            self.family.kinds[rebuilt],
+            tuple(self.factor[f] for f in self.factors), damping)
 
     def _serialize_form(self, serializer, prefix, form):
         """Saves ``form`` under keys starting with ``prefix`` (its arrays
@@ -92,12 +116,8 @@ class SnapshotState:
         loading = isinstance(serializer, serializer_module.Deserializer)
         if not loading and self.pending is not None:
             self.pending = self.pending[0], background.result(self.pending[1])
-        try:
-            at = int(serializer('pending_step', -1 if self.pending is None
-                                else self.pending[0]))
-        except KeyError:
-            # Written before inverses could be built in the background.
-            at = -1
+        at = int(serializer('pending_step', -1 if self.pending is None
+                            else self.pending[0]))
         if loading and at < 0:
             self.pending = None
             return

@@ -31,6 +31,19 @@ class Family:
         self.build = build
         self.damping = damping
 
+    def rebuilds(self, form):
+        """Whether a snapshot may store ``form``'s kind and damping alone
+        and :meth:`rebuild` it from the factors it was built from (not a
+        split block's mixed form, whose parts the split decides)."""
+        return type(form) in self.kinds and type(form) is not KroneckerMixed
+
+    def rebuild(self, kind, factors, damping):
+        """The form of ``kind`` that a refresh built from ``factors`` at
+        ``damping``: the same computation, so the same numbers."""
+        if len(self.kinds) == 1:
+            return self.build(factors, damping, 1)
+        return kind.refreshed(*factors, damping)
+
 
 def _tikhonov(factors, damping, reuse):
     A, G = factors

@@ -511,14 +511,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         super().serialize(serializer)
         if loading:
             self._check_finite_momentum()
-        self._relative_bound.serialize(state['guard'],
-                                       self.kl_clip_relative)
-        self._followed_bound.serialize(state['guard'])
         if loading and not found:
             logger.warning('the snapshot holds no K-FAC state (another '
                            "optimizer's?): momentum and step count loaded, "
                            'the curvature starts afresh')
             return
+        self._relative_bound.serialize(state['guard'],
+                                       self.kl_clip_relative)
+        self._followed_bound.serialize(state['guard'])
         self._monitor.serialize(state['divergence'])
         if self.backtrack:
             self._backtrack.serialize(state['backtrack'],
@@ -527,7 +527,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                                      loading)
         self.serialize_checks(state['nonfinite'])
         names = {block.name for block in self.blocks}
-        if isinstance(found, tuple):
+        if found:
             saved_rank, saved_size, held = found
             names = names if held is None else held
             if self._resume is None:

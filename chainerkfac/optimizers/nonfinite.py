@@ -45,20 +45,14 @@ class FiniteChecks:
         count of steps skipped in a row, the last non-finite gradient's
         name and, under Chainer's dynamic loss scaling, the loss scale and
         whether a step ever overflowed (which sets how fast the scale
-        grows back). A snapshot written before it held them leaves the
-        count at 0 and the scale where :meth:`loss_scaling` put it."""
-        try:
-            count = int(serializer('skipped_in_a_row',
-                                   self._skipped_in_a_row))
-            name = str(serializer('last_nonfinite',
-                                  self._last_nonfinite or ''))
-            if self._loss_scaling_is_dynamic:
-                # Chainer's Optimizer.serialize keeps neither.
-                scale = float(serializer('loss_scale', self._loss_scale))
-                overflowed = bool(serializer(
-                    'loss_scale_overflowed', self._loss_scaling_isnan_ever))
-        except KeyError:
-            return
+        grows back)."""
+        count = int(serializer('skipped_in_a_row', self._skipped_in_a_row))
+        name = str(serializer('last_nonfinite', self._last_nonfinite or ''))
+        if self._loss_scaling_is_dynamic:
+            # Chainer's Optimizer.serialize keeps neither.
+            scale = float(serializer('loss_scale', self._loss_scale))
+            overflowed = bool(serializer(
+                'loss_scale_overflowed', self._loss_scaling_isnan_ever))
         self._skipped_in_a_row, self._last_nonfinite = count, name or None
         if self._loss_scaling_is_dynamic:
             self._loss_scale = scale

@@ -30,9 +30,17 @@ from chainer import serializers
 logger = logging.getLogger(__name__)
 
 
+#: The version of what a snapshot holds. Loading refuses any other by
+#: name: 1 (unnumbered) stored every inverse's arrays; 2 stores the kind
+#: and damping of an inverse built from the factors as they are, which
+#: loading rebuilds from them.
+FORMAT = 2
+
+
 def header(rank, size, inverse, bn_fisher, blocks):
     """The header of this process's K-FAC state."""
-    return {'rank': rank, 'world_size': size, 'inverse': inverse,
+    return {'format': FORMAT, 'rank': rank, 'world_size': size,
+            'inverse': inverse,
             'bn_fisher': bn_fisher,
             'layers': '; '.join('{}: {}'.format(b.name, b.describe())
                                 for b in blocks)}
@@ -84,20 +92,32 @@ def check_header(state, mine, blocks):
     """Checks a snapshot's header (in ``state``) against this run's
     (``mine``, from :func:`header`).
 
-    Returns False when the snapshot has no K-FAC state at all, True when it
-    has no header (written before headers existed), and ``(rank, size,
-    names)`` of the process that wrote it, ``names`` the layers whose
-    curvature it holds when written by another number of processes (else
-    ``None``: every layer loads, as saved).
+    Returns False when the snapshot has no K-FAC state at all (another
+    optimizer's), else ``(rank, size, names)`` of the process that wrote
+    it, ``names`` the layers whose curvature it holds when written by
+    another number of processes (else ``None``: every layer loads, as
+    saved). A snapshot of another :data:`FORMAT` is refused, naming it.
     """
     try:
-        saved = {key: state['header'](key, value)
-                 for key, value in mine.items()}
+        saved_format = int(state['header']('format', 0))
     except KeyError:
-        # No header: a snapshot written before headers existed (its
-        # blocks load as they are) or one without K-FAC state.
-        return not blocks or blocks[0].in_snapshot(
-            state[blocks[0].name])
+        saved_format = None
+    if saved_format is None:
+        try:
+            state['header']('rank', 0)
+        except KeyError:
+            if not blocks or not blocks[0].in_snapshot(
+                    state[blocks[0].name]):
+                return False
+        saved_format = 1
+    if saved_format != FORMAT:
+        raise ValueError(
+            'snapshot of K-FAC state format {}, written by an earlier '
+            'version of chainerkfac; this version reads format {} only: '
+            'resume with the version that wrote it, or start the '
+            'curvature afresh (load the model and a MomentumSGD '
+            'snapshot)'.format(saved_format, FORMAT))
+    saved = {key: state['header'](key, value) for key, value in mine.items()}
     _check_layers(saved, mine, blocks)
     saved_rank, saved_size = int(saved['rank']), int(saved['world_size'])
     if saved_size == mine['world_size']:
@@ -108,13 +128,7 @@ def check_header(state, mine, blocks):
                 'file (.rank<R>)'.format(saved_rank, saved_size,
                                          mine['rank'], mine['world_size']))
         return saved_rank, saved_size, None
-    try:
-        names = str(state['header']('held', ''))
-    except KeyError:
-        raise ValueError(
-            'snapshot written by {} process(es) before snapshots named the '
-            'layers each holds: resume it on {} process(es)'.format(
-                saved_size, saved_size)) from None
+    names = str(state['header']('held', ''))
     return saved_rank, saved_size, set(names.split('; ')) - {''}
 
 
@@ -123,9 +137,8 @@ def serialize_step_rule(state, rule, damping, loading):
     :class:`~chainerkfac.step_rule.StepRule` (under ``adaptive`` for a
     rule that chooses the whole update, which also keeps the ``damping``
     it chose; else under ``step_rule``), and its name in the header.
-    Loading a snapshot that names another rule (or none: an older
-    version's, taken under the default of its time) is said: the run goes
-    on under ``rule``, whose state starts afresh where the snapshot holds
+    Loading a snapshot that names another rule is said: the run goes on
+    under ``rule``, whose state starts afresh where the snapshot holds
     none of it."""
     if rule.chooses_update:
         rule.serialize(state['adaptive'], damping)
@@ -135,16 +148,12 @@ def serialize_step_rule(state, rule, damping, loading):
     if not loading:
         state['header']('step_rule', name)
         return
-    try:
-        saved = str(state['header']('step_rule', ''))
-    except KeyError:
-        saved = None
+    saved = str(state['header']('step_rule', ''))
     if saved != name:
         logger.warning(
-            'the snapshot was taken under %s; this run resumes it under '
-            "step_rule=%r (pass step_rule= to KFAC to keep the snapshot's)",
-            'an unnamed step rule (an older version\'s default)'
-            if saved is None else 'step_rule={!r}'.format(saved), name)
+            'the snapshot was taken under step_rule=%r; this run resumes it '
+            "under step_rule=%r (pass step_rule= to KFAC to keep the "
+            "snapshot's)", saved, name)
 
 
 def _check_layers(saved, mine, blocks):
