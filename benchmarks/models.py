@@ -147,22 +147,6 @@ class WideMLP(MLP):
         return self.l3(F.relu(self.l1(x)))
 
 
-class ChainerMNISTMLP(chainer.Chain):
-    """Chainer's MNIST example's network (``examples/mnist/train_mnist.py``,
-    ``--unit 1000``): ``L.Linear(None, 1000)`` twice with ReLU, then
-    ``L.Linear(None, 10)``."""
-
-    def __init__(self, n_units=1000, n_out=10):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(None, n_units)
-            self.l2 = L.Linear(None, n_units)
-            self.l3 = L.Linear(None, n_out)
-
-    def forward(self, x):
-        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
-
-
 class ChainerCIFARVGG(chainer.Chain):
     """Chainer's CIFAR example's VGG (``examples/cifar/models/VGG.py``):
     13 conv (3x3, no bias) + BatchNorm + ReLU layers of 64-512 channels in
@@ -215,7 +199,10 @@ MODELS = {
     'mlp': (lambda: MLP(), (784,), 10),
     # One block (l1: A 785, G 2048) holds almost all the curvature work.
     'wide_mlp': (lambda: WideMLP(), (784,), 10),
-    'chainer_mnist_mlp': (lambda: ChainerMNISTMLP(), (784,), 10),
+    # Chainer's MNIST example (examples/mnist/train_mnist.py, --unit 1000):
+    # L.Linear(None, 1000) twice with ReLU, then L.Linear(None, 10).
+    'chainer_mnist_mlp': (lambda: MLP(n_in=None, n_hidden=1000), (784,),
+                          10),
     'chainer_cifar_vgg': (lambda: ChainerCIFARVGG(), (3, 32, 32), 10),
 }
 

@@ -93,7 +93,7 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         self._count = dict.fromkeys(self.factors, 0)
         self._factors_changed = False
         #: Rows (samples times positions) of the last training pass, for
-        #: the cost of a step (:meth:`step_costs`); 0 before the first.
+        #: the cost of a step (:meth:`step_work`); 0 before the first.
         self.pass_rows = 0
 
     def form_family(self, options):

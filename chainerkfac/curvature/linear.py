@@ -65,9 +65,9 @@ class LinearBlock(kronecker.KroneckerBlock):
         """The low-rank product where the step's rows are the whole
         gradient and it pays (:mod:`chainerkfac.curvature.low_rank`),
         else the form's dense one."""
+        # Every kept pass passed keeps_rows: together they pay.
         rows = self.rows.take(self.has_bias)
         if (rows is not None and self.form.low_rank
-                and low_rank.pays(len(rows[0]), *self.dims())
                 and low_rank.agrees(grad, *rows)):
             return self.form.apply_low_rank(*rows)
         return self.form.apply(grad)

@@ -233,21 +233,22 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         in a distributed run, which rank owns each K-FAC link. After a
         training pass, each K-FAC layer's estimated work on a stale step
         and on a refresh step, over its forward and backward passes
-        (:meth:`FisherBlock.step_costs
-        <chainerkfac.curvature.base.FisherBlock.step_costs>`), and the
+        (:meth:`FisherBlock.step_work
+        <chainerkfac.curvature.base.FisherBlock.step_work>`), and the
         model's."""
         self._check_set_up()
         header = ('KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} '
                   'blocks'.format(self.step_rule.name, self.inverse,
                                   self.bn_fisher, len(self.blocks)))
-        ratios = [work and work.ratios() for work in self._block_work()]
+        works = self._block_work()
+        ratios = [work and work.ratios() for work in works]
         notes = [None if r is None else
                  'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(*r)
                  for r in ratios]
         lines = [header] + registry.coverage(
             self.target, self.blocks, self._unsupported,
             self._stages.placement(self.blocks), notes)
-        total = self.work_estimate()
+        total = _total(works)
         if total is not None and total.ratios() is not None:
             lines.append(
                 '  K-FAC\'s work per step, estimated at the last training '
@@ -265,8 +266,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         cost model's operations of the K-FAC layers' forward and backward
         passes and of K-FAC's stale and refresh steps, at the last
         training pass's batch (``None`` before one)."""
-        known = [work for work in self._block_work() if work is not None]
-        return sum(known[1:], known[0]) if known else None
+        return _total(self._block_work())
 
     def hook_descriptions(self):
         """``'name (timing): attribute=value, ...'`` of every optimizer
@@ -538,3 +538,10 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 block.serialize(state[block.name])
             else:
                 block.serialize_schedules(state[block.name])
+
+
+def _total(works):
+    """The sum of the :class:`~chainerkfac.curvature.cost.StepWork` of
+    ``works`` that are not ``None`` (``None`` if none is)."""
+    known = [work for work in works if work is not None]
+    return sum(known[1:], known[0]) if known else None
