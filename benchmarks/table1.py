@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/table1.py --batches 64,2048 \\
         --jobs 2                                   # grids, then best seeds
+    PYTHONPATH=. .venv/bin/python benchmarks/table1.py --rows kfac_kl_step
     PYTHONPATH=. .venv/bin/python benchmarks/table1.py --report
 
 Table 1 of the paper trains ResNet-50 on ImageNet at mini-batches 4,096 to
@@ -21,6 +22,10 @@ budget grows with the batch as the paper's did: its epochs times 20/35
   ``sgd``'s best base learning rate at that batch;
 - ``kfac_kl_graft``: the same swap at the defaults before,
   ``step_rule='kl_graft'``;
+- ``kfac_kl_step`` and ``kfac_kl_step_adaptive``: ``compare_shapes.py``'s
+  step of fixed KL change (its options and bound, at that batch), with
+  factors every step and with the default adaptive intervals, the same
+  recipe at ``sgd``'s best base learning rate;
 - ``kfac_paper``: the paper's recipe at that batch: the natural step, no
   guard, factors every step (``cov_ema_decay`` 0), the diagonal BatchNorm
   Fisher with its damping times 16, the polynomial learning-rate decay, the
@@ -75,11 +80,16 @@ EPOCH_SCALE = 20 / 35
 WARMUP_EPOCHS = 2
 #: Seeds at each row's best setting.
 SEEDS = 2
-ROWS = ('sgd', 'kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_paper')
+ROWS = ('sgd', 'kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_paper',
+        'kfac_kl_step', 'kfac_kl_step_adaptive')
 KFAC_ROWS = ROWS[1:]
 #: The one-line swaps: at MomentumSGD's best learning rate at each batch.
-SWAPS = ('kfac_layer_graft_average', 'kfac_kl_graft')
-COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:grey', 'crimson')))
+SWAPS = ('kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_kl_step',
+         'kfac_kl_step_adaptive')
+#: The rows with ``compare_shapes.py``'s bound of the step of fixed KL change.
+KL_STEP = ('kfac_kl_step', 'kfac_kl_step_adaptive')
+COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:grey', 'crimson',
+                          'tab:green', 'tab:olive')))
 
 
 def config(batch):
@@ -143,8 +153,8 @@ def train(spec):
             schedule=PaperSchedule(conf, lr, steps, steps * n_epochs),
             options=paper_options(conf))
     else:
-        bound = chainerkfac.optimizers.KFAC().kl_clip if name != 'sgd' \
-            else None
+        bound = None if name == 'sgd' else compare_shapes.KL_STEP_CLIP \
+            if name in KL_STEP else chainerkfac.optimizers.KFAC().kl_clip
         run = compare_shapes.train((name, setting, bound, batch, seed,
                                     n_epochs, WARMUP_EPOCHS))
     run['setting'] = setting
@@ -292,7 +302,8 @@ def report(summary):
     lines.append(harness.table(cells, [
         'batch (steps an epoch, epochs)', 'MomentumSGD (base lr)',
         'one-line swap (base lr)', 'swap, kl_graft (base lr)',
-        'paper\'s recipe (lr multiplier)',
+        'paper\'s recipe (lr multiplier)', 'kfac_kl_step (base lr)',
+        'kfac_kl_step_adaptive (base lr)',
         'better K-FAC / MomentumSGD (median epochs)']))
     critical = summary['critical_batch']
     lines += ['', 'Critical batch: ' + ', '.join(
@@ -367,25 +378,27 @@ def _grid(runs, name, batch, start):
 
 
 def pending(runs, args, batches):
-    """The grids' runs not kept yet; with the grids done, the best
-    settings' further seeds."""
+    """The grids' runs of ``args.rows`` not kept yet; with the grids done,
+    the best settings' further seeds. Without ``sgd`` among the rows, the
+    swaps take MomentumSGD's best setting as its kept grid has it."""
     best = best_settings(runs)
     done = {_key(r) for r in runs}
     specs = []
     for batch in batches:
         grid = _grid(runs, 'sgd', batch, args.lrs_sgd)
         specs += grid + _grid(runs, 'kfac_paper', batch, args.multipliers)
-        if done.issuperset(grid):
+        if (batch, 'sgd') in best and (
+                done.issuperset(grid) or 'sgd' not in args.rows):
             # The swap as a MomentumSGD user makes it: at the learning
             # rate tuned for MomentumSGD.
             specs += [(name, best[batch, 'sgd'][0], batch, 0)
                       for name in SWAPS]
-    specs = [s for s in specs if s not in done]
+    specs = [s for s in specs if s not in done and s[0] in args.rows]
     if specs:
         return specs
     return [(name, best[batch, name][0], batch, seed)
-            for batch in batches for name in ROWS if (batch, name) in best
-            for seed in range(SEEDS)
+            for batch in batches for name in args.rows
+            if (batch, name) in best for seed in range(SEEDS)
             if (name, best[batch, name][0], batch, seed) not in done]
 
 
@@ -400,6 +413,9 @@ def main(argv=None):
     parser.add_argument('--multipliers', type=_floats, default='0.5,1,2',
                         help='kfac_paper\'s learning rates over the '
                         'configuration\'s')
+    parser.add_argument('--rows', type=lambda t: t.split(','),
+                        default=','.join(ROWS),
+                        help='the rows to run (the others\' runs are read)')
     parser.add_argument('--jobs', type=int, default=1)
     parser.add_argument('--report', action='store_true')
     args = parser.parse_args(argv)
