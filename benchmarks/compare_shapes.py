@@ -1,7 +1,8 @@
 """K-FAC against a tuned large-batch MomentumSGD on a harder image task.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py \\
-        --batches 1024 --jobs 2            # the large batch, both cores
+        --batches 1024 --kl-step-adaptive 0.4 --jobs 2
+                        # MomentumSGD's grid and the swap, both cores
     PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py --report
 
 The task is :mod:`shapes` (20,000 training and 5,000 validation colour
@@ -11,76 +12,35 @@ large-batch recipe of Goyal et al. (2017): the learning rate scaled
 linearly with the batch (``lr = base_lr · B / 256``), a linear warm-up over
 the first ``--warmup`` epochs, cosine decay to zero at the end, weight
 decay 5e-4 (Chainer's ``WeightDecay`` hook, for both), momentum 0.9.
-MomentumSGD and K-FAC get the same budget: a grid of base learning rates
-(``--lrs-sgd``, ``--lrs-kfac``) times ``--seeds`` seeds at each batch.
-K-FAC's natural-step grid (``kfac``) refreshes its factors every step; its
-update-norm guard's bound follows the schedule's squared factor, as the
-guard's ``q`` grows with ``lr²``, so the guard neither undoes the warm-up
-nor the decay.
+MomentumSGD runs a grid of base learning rates (``--lrs-sgd``) times
+``--seeds`` seeds at each batch; each K-FAC row below runs the base
+learning rates its option gives, typically MomentumSGD's best, with the
+same seeds.
 
-``--kl-graft LRS`` adds the one-line swap at the defaults before
-``graft_average`` (``kfac_kl_graft``: ``KFAC(lr, momentum,
-step_rule='kl_graft')``, the natural direction at the grafted step's KL
-change, its bound following the schedule) at the base learning rates
-given, typically MomentumSGD's best. ``--graft LRS`` adds
-the one-line swap at the defaults before that (``kfac_graft``: the grafted
-step, whose length follows the learning rate as MomentumSGD's does, the
-safety bound fixed at 1e-2 or ``--graft-kl-clips``, adaptive intervals)
-at the base learning rates given, typically MomentumSGD's grid; the
-report adds ``kfac_graft_at_sgd_lr``, the swap at MomentumSGD's
-best base learning rate, and ``kfac_at_sgd_lr``, the best of K-FAC's
-natural-step grid (below) at that learning rate: the step
-``KFAC(lr, momentum, step_rule='natural', factor_interval=1,
-kl_clip_follows_lr=True)`` takes, whose bound follows the schedule's square
-as the grid's does. ``--reference LRS`` adds K-FAC tuned by hand
-(``kfac_reference``: the natural step, damping 1e-3, factors every step,
-no guard); each of its epochs records ``kl_graft_equivalent_lr``, the
-base learning rate at which the step rule ``kl_graft`` would
-scale its natural step to the length it took (median, 10th and 90th
-percentiles over the epoch: ``UnitsProbe``). The K-FAC rows below them
-are the natural step (``step_rule='natural'``), the default before
-grafting. Every row but ``kfac_kl_graft`` and the steps of fixed KL
-change (below) keeps the bound as the library grew it when the row was
-measured, ``kl_clip`` at batch 64 times ``(B / 64)²`` (``guard_options``).
+``--reference LRS`` adds K-FAC tuned by hand (``kfac_reference``: the
+natural step, damping 1e-3, factors every step, no bound); each of its
+epochs records ``kl_graft_equivalent_lr``, the base learning rate at which
+the step rule ``kl_graft`` would scale its natural step to the length it
+took (median, 10th and 90th percentiles over the epoch: ``UnitsProbe``).
 
 ``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
-``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4 · B /
-64, kl_clip_batch=None)``, the bound following the schedule's square):
-at MomentumSGD's learning rates the bound sets the step, the natural
-direction scaled to the KL change the reference's steps nearly have.
-``--kl-step-adaptive LRS`` adds the same with the default adaptive
-intervals (``kfac_kl_step_adaptive``); ``--kl-run LRS`` the latter with the
-KL change per step that the run's length ``T`` sets, ``KL_BUDGET / T``
+``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4)``, the
+bound ``5e-4 · B / 64`` following the schedule's square): at MomentumSGD's
+learning rates the bound sets the step, the natural direction scaled to
+the KL change the reference's steps nearly have. ``--kl-step-adaptive
+LRS`` adds the same with the default adaptive intervals
+(``kfac_kl_step_adaptive``: the defaults, ``KFAC(lr, momentum)``, the
+one-line swap); ``--kl-run LRS`` the latter with the KL change per step
+that the run's length ``T`` sets, ``KL_BUDGET / T`` at every batch
 (``kfac_kl_run``; at 20 epochs, about ``kfac_kl_step_adaptive``'s).
-
-``--layer-graft LRS`` adds the one-line swap with layer-wise grafting
-(``kfac_layer_graft``: the defaults with ``step_rule='graft'``, each
-layer's step as long as SGD's) and ``--layer-graft-average LRS`` the same
-with each layer's lengths from running averages
-(``kfac_layer_graft_average``: ``step_rule='graft_average'``, the
-defaults: ``KFAC(lr, momentum)``), both under the defaults' guard.
-``--backtrack LRS`` adds the defaults with backtracking in place of the
-guard (``kfac_backtrack``: ``kl_clip=None, backtrack=True``; the run
-records the iterations at which it backtracked). ``--noise-cap LRS`` adds
-the defaults with each layer's step no longer than the natural step at the
-learning rate the gradient's noise sets (``kfac_noise_cap``:
-``step_rule='noise_cap'``, under the defaults' guard);
-``--noise-cap-ref LRS`` the same with the reference's damping (1e-3) and
-factors every step (``kfac_noise_cap_ref``), ``--noise-cap-ref-adaptive
-LRS`` with its damping and the default adaptive intervals
-(``kfac_noise_cap_ref_adaptive``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
-(``kfac_quadratic_model``: ``step_rule='adaptive'``, Martens & Grosse
-2015 §6-7, kfac-jax's adaptive mode); it takes no learning rate (the
-schedule is applied and ignored) and no guard. ``kfac_quadratic_model_floor``
-is the same with the damping kept at 1e-3 or more. A run that blows up
-(``NonFiniteError``) ends at that epoch.
-
-After the grid, K-FAC's best base learning rate at each batch also runs
-with stale curvature (``--stale``): factors/inverses every 10/100 and every
-50/50 steps, and the adaptive schedule (``schedules.Adaptive``).
+(``kfac_quadratic_model``: ``step_rule='adaptive'``, its damping from
+1e-2; Martens & Grosse 2015 §6-7, kfac-jax's adaptive mode); it takes no
+learning rate (the schedule is applied and ignored) and no bound.
+``kfac_quadratic_model_floor`` is the same with the damping kept at 1e-3
+or more. A run that blows up (``NonFiniteError``) ends at that epoch.
 
 Each run is kept in ``results/compare_shapes.json`` as soon as it ends, in
 its variant ``--name`` (the default one without it; ``--out FILE``: in that
@@ -93,7 +53,8 @@ learning rate, the median epochs and training seconds to the target, its
 final accuracy and validation loss. The curves go to
 ``results/compare_shapes[_<name>].png`` (validation loss and accuracy
 against epochs and against seconds; ``run_all.py --docs-only`` copies the
-default's into the docs).
+default's into the docs). Runs of rows this script no longer has stay in
+the results and out of the report.
 """
 import argparse
 import functools
@@ -117,125 +78,62 @@ import shapes
 
 WEIGHT_DECAY = 5e-4
 #: The step of fixed KL change's options with the default adaptive
-#: intervals; its rows differ in the bound alone (``guard_options``).
+#: intervals (the defaults, named so that a script with intervals of its
+#: own gets them too); its rows differ in the bound alone
+#: (``guard_options``).
 _KL_STEP_ADAPTIVE = {
     'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
     'inverse_interval': 1, 'step_rule': 'kl_graft'}
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
-    # The one-line swap at the defaults before kl_graft: its step as long
-    # as MomentumSGD's per layer (step_rule 'graft'), the bound fixed at
-    # GRAFT_KL_CLIP.
-    'kfac_graft': {'step_rule': 'graft'},
-    # The one-line swap under the default before graft_average: the natural
-    # direction at the grafted step's KL change, the bound following the
-    # schedule and growing like B.
-    'kfac_kl_graft': {'step_rule': 'kl_graft'},
-    # The natural-gradient step under the update-norm guard (the default
-    # before grafting), factors every step.
-    'kfac': {'factor_interval': 1, 'step_rule': 'natural'},
-    'kfac_10_100': {'factor_interval': 10, 'inverse_interval': 100,
-                    'step_rule': 'natural'},
-    'kfac_50_50': {'factor_interval': 50, 'inverse_interval': 50,
-                   'step_rule': 'natural'},
-    'kfac_adaptive': {'factor_interval': chainerkfac.schedules.Adaptive(),
-                      'inverse_interval': 1, 'step_rule': 'natural'},
     # K-FAC tuned by hand: the natural step, damping 1e-3,
-    # factors every step, no guard.
+    # factors every step, no bound.
     'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
                        'damping': 1e-3},
     # A step of fixed KL change: kl_graft's direction with the
-    # reference's damping and factors, the bound growing like B
-    # (guard_options) and following the schedule, binding on most steps.
+    # reference's damping and factors, the bound growing like B and
+    # following the schedule, binding on most steps.
     'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1,
                      'step_rule': 'kl_graft'},
-    # The same with the default adaptive intervals (named, so that a
-    # script with intervals of its own gets them too).
+    # The same with the default adaptive intervals: the defaults.
     'kfac_kl_step_adaptive': _KL_STEP_ADAPTIVE,
     # The same with the KL change per step that the run's length sets:
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
-    # Layer-wise grafting under the defaults' guard: each step's norms,
-    # and their running averages (the one-line swap: the defaults).
-    'kfac_layer_graft': {'step_rule': 'graft'},
-    'kfac_layer_graft_average': {'step_rule': 'graft_average'},
-    # The swap with backtracking in place of the guard's fixed bound.
-    'kfac_backtrack': {'step_rule': 'graft_average', 'backtrack': True},
-    # The swap with each layer's step no longer than the natural step at
-    # the learning rate the gradient's noise sets.
-    'kfac_noise_cap': {'step_rule': 'noise_cap'},
-    # The same with the reference's damping, and factors every step or the
-    # default adaptive intervals.
-    'kfac_noise_cap_ref': {'step_rule': 'noise_cap', 'damping': 1e-3,
-                           'factor_interval': 1},
-    'kfac_noise_cap_ref_adaptive': {'step_rule': 'noise_cap',
-                                    'damping': 1e-3},
     # The step length, momentum and damping from the loss's quadratic model
-    # (kfac-jax's adaptive mode): no learning rate, no guard.
-    'kfac_quadratic_model': {'step_rule': 'adaptive'},
+    # (kfac-jax's adaptive mode): no learning rate, no bound; the damping
+    # starts at 1e-2 (the default when these rows were measured).
+    'kfac_quadratic_model': {'step_rule': 'adaptive', 'damping': 1e-2},
     # The same with the damping kept at 1e-3 or more (a class: each run
     # gets a rule of its own).
     'kfac_quadratic_model_floor': {
         'step_rule': functools.partial(
             chainerkfac.optimizers.quadratic_model.QuadraticModel,
-            min_damping=1e-3)},
+            min_damping=1e-3),
+        'damping': 1e-2},
 }
-#: The one-line swaps: the bound left at its default, not scheduled.
-SWAPS = ('kfac_graft', 'kfac_kl_graft', 'kfac_kl_step',
-         'kfac_kl_step_adaptive', 'kfac_kl_run', 'kfac_layer_graft',
-         'kfac_layer_graft_average', 'kfac_backtrack', 'kfac_noise_cap',
-         'kfac_noise_cap_ref', 'kfac_noise_cap_ref_adaptive')
-#: The swaps under the defaults' guard (``guard_options``).
-DEFAULT_GUARD = ('kfac_kl_graft', 'kfac_layer_graft',
-                 'kfac_layer_graft_average', 'kfac_noise_cap',
-                 'kfac_noise_cap_ref', 'kfac_noise_cap_ref_adaptive')
-STALE = ('kfac_10_100', 'kfac_50_50', 'kfac_adaptive')
-#: The rows of the report: ``kfac_graft_at_sgd_lr`` the one-line swap
-#: before kl_graft at MomentumSGD's best learning rate, ``kfac_at_sgd_lr``
-#: the natural step's grid there.
-ROWS = ('sgd', 'kfac_graft', 'kfac_graft_at_sgd_lr', 'kfac_at_sgd_lr',
-        'kfac') + STALE + ('kfac_kl_graft', 'kfac_quadratic_model',
-                           'kfac_quadratic_model_floor', 'kfac_reference',
-                           'kfac_kl_step', 'kfac_kl_step_adaptive',
-                           'kfac_kl_run', 'kfac_layer_graft',
-                           'kfac_layer_graft_average', 'kfac_backtrack',
-                           'kfac_noise_cap', 'kfac_noise_cap_ref',
-                           'kfac_noise_cap_ref_adaptive')
+#: The rows of the report and the plot.
+ROWS = tuple(OPTIMIZERS)
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
-COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:cyan', 'crimson',
-                          'tab:red', 'tab:orange', 'tab:green',
-                          'tab:purple', 'magenta', 'darkred', 'salmon',
-                          'navy', 'darkgoldenrod', 'olive', 'teal',
-                          'sienna', 'darkviolet', 'limegreen', 'gold',
-                          'deeppink', 'slategray')))
+COLOURS = dict(zip(ROWS, ('tab:blue', 'navy', 'darkgoldenrod', 'olive',
+                          'teal', 'darkred', 'salmon')))
 assert len(COLOURS) == len(ROWS)
-#: The bound of the one-line swap between grafting and kl_graft.
-GRAFT_KL_CLIP = 1e-2
 #: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
 #: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).
 KL_STEP_CLIP = 5e-4
 
 
 def guard_options(name, kl_clip, batch, steps=None):
-    """The update-norm guard's options of row ``name``'s K-FAC at global
-    batch ``batch``. Every row but those under the defaults' guard
-    (:data:`DEFAULT_GUARD`) and those of the step of fixed KL change keeps
-    the bound as the library had it when the row was measured: fixed (the
-    schedule moves it from outside, if at all), ``kl_clip`` at batch 64 and
-    ``(B / 64)²`` times that above, without the default's cap
-    (``update_norm.GROWN_MAX``). The step of fixed KL change's grows like
-    ``B`` and follows the schedule; ``kfac_kl_run``'s is ``kl_clip`` (the
-    budget) over the run's ``steps``."""
-    if name in DEFAULT_GUARD or kl_clip is None:
-        return {'kl_clip': kl_clip}
+    """The bound's option of row ``name``'s K-FAC at global batch
+    ``batch``: ``kl_clip``, the bound at batch 64, which the library grows
+    like ``B`` and moves with the schedule's square; ``kfac_kl_run``'s is
+    ``kl_clip`` (the budget) over the run's ``steps`` at every batch."""
     if name == 'kfac_kl_run':
-        return {'kl_clip': kl_clip / steps, 'kl_clip_batch': None}
-    if name in ('kfac_kl_step', 'kfac_kl_step_adaptive'):
-        return {'kl_clip': kl_clip * batch / 64, 'kl_clip_batch': None}
-    return {'kl_clip': kl_clip * max(batch / 64, 1) * batch / 64,
-            'kl_clip_batch': None, 'kl_clip_follows_lr': False}
+        return {'kl_clip': kl_clip / steps
+                * chainerkfac.step_rule.REFERENCE_BATCH / batch}
+    return {'kl_clip': kl_clip}
 
 
 #: The same step of fixed KL change in terms of the run's length: the KL
@@ -310,10 +208,10 @@ def train(spec, decays=(), schedule=None, options=None):
     (:class:`chainerkfac.PolyakAveraging`, one average per decay), each
     epoch also evaluates the model under each average: the curve's
     ``averaged`` maps ``str(decay)`` to its accuracy and loss. A K-FAC
-    run's curve also says, per epoch, how often the update-norm guard
-    bound (``guard``: the fraction of steps whose ``kfac/update_scale`` ν
-    was below 1, and the median ν); under the quadratic model, its median
-    α, μ and damping (``quadratic_model``)."""
+    run's curve also says, per epoch, how often the bound on the step's KL
+    change cut the step (``guard``: the fraction of steps whose
+    ``kfac/update_scale`` ν was below 1, and the median ν); under the
+    quadratic model, its median α, μ and damping (``quadratic_model``)."""
     name, base_lr, kl_clip, batch, seed, epochs, warmup_epochs = spec
     harness.limit_threads(1)
     harness.keep_freed_memory()
@@ -330,20 +228,16 @@ def train(spec, decays=(), schedule=None, options=None):
     probe = UnitsProbe() if name == 'kfac_reference' else None
     if probe:
         options = dict(options, step_rule=probe)
-    # The bound the optimizer gets; the run records the spec's kl_clip.
-    bound = None
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
-        guard = guard_options(name, kl_clip, batch, total)
-        bound = guard['kl_clip']
-        optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
-                                                **dict(options, **guard))
-    # The quadratic model's step and backtracking need the loss:
-    # update(classifier, x, t).
-    net = chainer.links.Classifier(model) if options is not None and (
-        optimizer.step_rule.chooses_update or optimizer.backtrack) \
-        else model
+        # The run records the spec's kl_clip, not guard_options' of it.
+        optimizer = chainerkfac.optimizers.KFAC(
+            lr=lr, momentum=0.9,
+            **dict(options, **guard_options(name, kl_clip, batch, total)))
+    # The quadratic model's step needs the loss: update(classifier, x, t).
+    net = chainer.links.Classifier(model) if options is not None and \
+        optimizer.step_rule.chooses_update else model
     optimizer.setup(net)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(WEIGHT_DECAY))
     reporter = chainer.Reporter()
@@ -352,22 +246,17 @@ def train(spec, decays=(), schedule=None, options=None):
                 for d in decays}
     rng = numpy.random.RandomState(seed)
     curve, wall, it, averaging_wall = [], 0.0, 0, 0.0
-    backtracks = []
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
         scales, chosen = [], []
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
             if schedule is None:
-                factor = schedule_factor(it, total, warmup)
-                optimizer.lr = lr * factor
+                optimizer.lr = lr * schedule_factor(it, total, warmup)
             else:
                 for key, value in schedule(it).items():
                     assert hasattr(optimizer, key), key
                     setattr(optimizer, key, value)
-                factor = optimizer.lr / lr
-            if bound is not None and name not in SWAPS:
-                optimizer.kl_clip = bound * factor * factor
             observation = {}
             try:
                 with reporter.scope(observation):
@@ -379,8 +268,6 @@ def train(spec, decays=(), schedule=None, options=None):
                 break
             if 'kfac/update_scale' in observation:
                 scales.append(float(observation['kfac/update_scale']))
-            if observation.get('kfac/backtracks', 0) > len(backtracks):
-                backtracks.append(it)
             if 'kfac/alpha' in observation:
                 chosen.append([float(observation[k]) for k in (
                     'kfac/alpha', 'kfac/mu', 'kfac/damping')])
@@ -418,12 +305,9 @@ def train(spec, decays=(), schedule=None, options=None):
             curve[-1]['averaging_seconds'] = averaging_wall
         if not numpy.isfinite(loss_value):
             break
-    run = {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,
-           'batch': batch, 'seed': seed, 'epochs': epochs,
-           'warmup_epochs': warmup_epochs, 'curve': curve}
-    if options is not None and optimizer.backtrack:
-        run['backtracks'] = backtracks
-    return run
+    return {'optimizer': name, 'base_lr': base_lr, 'kl_clip': kl_clip,
+            'batch': batch, 'seed': seed, 'epochs': epochs,
+            'warmup_epochs': warmup_epochs, 'curve': curve}
 
 
 def _setting(run):
@@ -479,25 +363,6 @@ def summarise(runs):
     for (batch, name, setting), group in groups.items():
         final = numpy.mean([g['curve'][-1]['val_accuracy'] for g in group])
         _keep_best(best, (batch, name), setting, group, final)
-    for batch in sorted({b for b, _ in best}):
-        sgd = best.get((batch, 'sgd'))
-        group = sgd and groups.get((batch, 'kfac_graft', (
-            sgd['setting'][0], GRAFT_KL_CLIP)))
-        if group:
-            # The one-line swap as a MomentumSGD user makes it: at the
-            # learning rate tuned for MomentumSGD.
-            _keep_best(best, (batch, 'kfac_graft_at_sgd_lr'),
-                       _setting(group[0]), group,
-                       numpy.mean([g['curve'][-1]['val_accuracy']
-                                   for g in group]))
-        for (b, name, setting), group in groups.items():
-            # The natural step's grid at MomentumSGD's learning rate (its
-            # bound scheduled: kl_clip_follows_lr=True).
-            if sgd and b == batch and name == 'kfac' and \
-                    setting[0] == sgd['setting'][0]:
-                _keep_best(best, (batch, 'kfac_at_sgd_lr'), setting, group,
-                           numpy.mean([g['curve'][-1]['val_accuracy']
-                                       for g in group]))
     summary = {}
     for batch in sorted({b for b, _ in best}):
         sgd = best.get((batch, 'sgd'))
@@ -509,20 +374,14 @@ def summarise(runs):
             if b != batch:
                 continue
             reached = [_to_target(r, target) for r in entry['runs']]
-            kind = {'kfac_at_sgd_lr': 'kfac',
-                    'kfac_graft_at_sgd_lr': 'kfac_graft'}.get(name, name)
             rows[name] = {
                 'setting': _setting_text(entry['setting']),
                 'seeds': entry['seeds'],
-                'grid': {_setting_text(st): len(groups[batch, kind, st])
+                'grid': {_setting_text(st): len(groups[batch, name, st])
                          for (bb, n, st) in sorted(
                              groups, key=lambda k: (k[0], k[1], k[2][0],
                                                     k[2][1] or 0))
-                         if bb == batch and n == kind and (
-                             name != 'kfac_graft_at_sgd_lr'
-                             or st == entry['setting']) and (
-                             name != 'kfac_at_sgd_lr'
-                             or st[0] == entry['setting'][0])},
+                         if bb == batch and n == name},
                 'final_accuracy': entry['final_accuracy'],
                 'final_val_loss': entry['final_val_loss'],
                 # Misses count as their whole run: when half the seeds or
@@ -551,12 +410,14 @@ def _ratio_text(ratio, bound):
         bound + ' ' if bound else '', ratio)
 
 
-def report(summary):
+def report(summary, rows=ROWS):
+    """The tables of ``summary``, per batch, of the optimizers ``rows``
+    (those without runs left out)."""
     lines = []
     for batch, entry in summary.items():
-        rows = []
+        cells = []
         sgd = entry['optimizers']['sgd']
-        for name in ROWS:
+        for name in rows:
             row = entry['optimizers'].get(name)
             if row is None:
                 continue
@@ -564,7 +425,7 @@ def report(summary):
                 _ratio_text(*ratio_to_sgd(row, sgd, k))
                 for k in ('epochs_to_target', 'seconds_to_target')]
             more = '> ' if row['bounded'] else ''
-            rows.append([name, row['setting'], '; '.join(
+            cells.append([name, row['setting'], '; '.join(
                 '{} ({})'.format(st, n) for st, n in row['grid'].items()),
                 str(row['seeds']),
                 '{:.3f}'.format(row['final_accuracy']),
@@ -574,7 +435,7 @@ def report(summary):
                 row['reached']] + ratio)
         lines.append('### batch {} (target {:.1%}: MomentumSGD\'s best final '
                      'accuracy - 0.5 point)\n'.format(batch, entry['target']))
-        lines.append(harness.table(rows, [
+        lines.append(harness.table(cells, [
             'optimizer', 'best setting', 'grid (seeds)', 'seeds',
             'final val accuracy', 'final val loss', 'median epochs to target',
             'median seconds to target', 'seeds reaching',
@@ -657,67 +518,30 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--batches', default='1024')
     parser.add_argument('--lrs-sgd', default='0.1,0.2,0.4,0.8')
-    parser.add_argument('--lrs-kfac', default='0.1')
-    parser.add_argument('--kl-clips', default='1e-4,1e-3,1e-2,1e-1',
-                        help='K-FAC\'s bounds (kl_clip at batch 64), each '
-                        'with every --lrs-kfac')
     parser.add_argument('--seeds', type=int, default=3)
     parser.add_argument('--epochs', type=int, default=20)
     parser.add_argument('--warmup', type=int, default=2,
                         help='warm-up epochs')
-    parser.add_argument('--stale', action='store_true',
-                        help='also the stale schedules at K-FAC\'s best '
-                        'setting')
-    parser.add_argument('--graft', default=None,
-                        help='base lrs of the grafted step, the defaults '
-                        'before kl_graft (kfac_graft), e.g. MomentumSGD\'s '
-                        'grid')
-    parser.add_argument('--kl-graft', default=None,
-                        help='base lrs of the one-line swap at the '
-                        'defaults before graft_average (kfac_kl_graft)')
     parser.add_argument('--reference', default=None,
                         help='base lrs of the natural step, damping 1e-3, '
-                        'factors every step, no guard (kfac_reference)')
+                        'factors every step, no bound (kfac_reference)')
     parser.add_argument('--kl-step', default=None,
                         help='base lrs of the step of fixed KL change '
                         '(kfac_kl_step: damping 1e-3, factors every step, '
                         'kl_clip 5e-4 at batch 64 grown like B)')
     parser.add_argument('--kl-step-adaptive', default=None,
                         help='base lrs of the same with the default '
-                        'adaptive intervals (kfac_kl_step_adaptive)')
+                        'adaptive intervals (kfac_kl_step_adaptive: the '
+                        'defaults)')
     parser.add_argument('--kl-run', default=None,
                         help='base lrs of the same with the KL change per '
                         'step that the run\'s length sets (kfac_kl_run: '
                         'KL_BUDGET over its steps)')
-    parser.add_argument('--layer-graft', default=None,
-                        help='base lrs of the defaults with layer-wise '
-                        "grafting (kfac_layer_graft: step_rule='graft')")
-    parser.add_argument('--layer-graft-average', default=None,
-                        help='base lrs of the same from running averages '
-                        "(kfac_layer_graft_average: step_rule="
-                        "'graft_average', the defaults)")
-    parser.add_argument('--backtrack', default=None,
-                        help='base lrs of the defaults with backtracking '
-                        'instead of the guard (kfac_backtrack: kl_clip=None,'
-                        ' backtrack=True)')
-    parser.add_argument('--noise-cap', default=None,
-                        help='base lrs of the defaults with each layer\'s '
-                        'step capped at the natural step\'s noise-set '
-                        "length (kfac_noise_cap: step_rule='noise_cap')")
-    parser.add_argument('--noise-cap-ref', default=None,
-                        help='base lrs of kfac_noise_cap with damping 1e-3 '
-                        'and factors every step (kfac_noise_cap_ref)')
-    parser.add_argument('--noise-cap-ref-adaptive', default=None,
-                        help='base lrs of kfac_noise_cap with damping 1e-3 '
-                        '(kfac_noise_cap_ref_adaptive)')
-    parser.add_argument('--graft-kl-clips', default='default',
-                        help='kfac_graft\'s kl_clip: \'default\' (1e-2), '
-                        '\'none\' or numbers, each with every --graft lr')
     parser.add_argument('--quadratic-model', action='store_true',
                         help='also K-FAC with the step length, momentum and '
                         'damping from the quadratic model '
                         "(kfac_quadratic_model: step_rule='adaptive', no "
-                        'learning rate, no guard; kfac_quadratic_model_floor:'
+                        'learning rate, no bound; kfac_quadratic_model_floor:'
                         ' its damping 1e-3 or more)')
     parser.add_argument('--jobs', type=int, default=1)
     harness.add_name_option(parser, 'compare_shapes')
@@ -736,50 +560,19 @@ def main(argv=None):
         return
     done = {_key(r) for r in runs}
     batches = [int(b) for b in args.batches.split(',')]
-    grids = {'sgd': [(float(lr), None) for lr in args.lrs_sgd.split(',')
-                     if lr],
-             'kfac': [(float(lr), float(kl))
-                      for kl in args.kl_clips.split(',') if kl
-                      for lr in args.lrs_kfac.split(',')]}
-    specs = [(name, lr, kl, batch, seed, args.epochs, args.warmup)
+    specs = [('sgd', float(lr), None, batch, seed, args.epochs, args.warmup)
              for seed in range(args.seeds) for batch in batches
-             for name, grid in grids.items() for lr, kl in grid]
-    if args.stale:
-        _, best = summarise(runs)
-        for batch in batches:
-            if (batch, 'kfac') not in best:
-                parser.error('--stale needs the kfac grid at batch {} '
-                             'first'.format(batch))
-            lr, kl = best[(batch, 'kfac')]['setting']
-            specs += [(name, lr, kl, batch, seed, args.epochs, args.warmup)
-                      for seed in range(args.seeds) for name in STALE]
-    if args.graft:
-        bounds = {'default': GRAFT_KL_CLIP, 'none': None}
-        specs += [('kfac_graft', float(lr), bounds[kl] if kl in bounds
-                   else float(kl), batch, seed, args.epochs, args.warmup)
-                  for seed in range(args.seeds) for batch in batches
-                  for kl in args.graft_kl_clips.split(',')
-                  for lr in args.graft.split(',')]
+             for lr in args.lrs_sgd.split(',') if lr]
     if args.quadratic_model:
         specs += [(name, 0.1, None, batch, seed, args.epochs, args.warmup)
                   for seed in range(args.seeds) for batch in batches
                   for name in ('kfac_quadratic_model',
                                'kfac_quadratic_model_floor')]
-    default_bound = chainerkfac.optimizers.KFAC().kl_clip
     for name, lrs, bound in (
             ('kfac_reference', args.reference, None),
-            ('kfac_kl_graft', args.kl_graft, default_bound),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
             ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
-            ('kfac_kl_run', args.kl_run, KL_BUDGET),
-            ('kfac_layer_graft', args.layer_graft, default_bound),
-            ('kfac_layer_graft_average', args.layer_graft_average,
-             default_bound),
-            ('kfac_backtrack', args.backtrack, None),
-            ('kfac_noise_cap', args.noise_cap, default_bound),
-            ('kfac_noise_cap_ref', args.noise_cap_ref, default_bound),
-            ('kfac_noise_cap_ref_adaptive', args.noise_cap_ref_adaptive,
-             default_bound)):
+            ('kfac_kl_run', args.kl_run, KL_BUDGET)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)
                   for seed in range(args.seeds) for batch in batches

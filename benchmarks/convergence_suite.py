@@ -13,8 +13,7 @@ BatchNorm, and a small ResNet. Each (model, lr, seed) trains
 initial weights and data order, the user's loop of
 ``optimizer.update(lossfun, x, t)``. Reported per cell: final validation
 accuracy and loss (mean over seeds), and whether a run diverged (a
-non-finite value, or a final training loss above the first); per run, the
-iterations at which K-FAC backtracked (``backtrack=True``).
+non-finite value, or a final training loss above the first).
 
 The goals (issue #23): no K-FAC divergence; K-FAC's final accuracy at
 least MomentumSGD's - 1 point at every lr; its best over lrs at least
@@ -199,7 +198,7 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
     ``DampingWarmup`` does). K-FAC's factor and inverse refreshes are
     counted (what its schedules made the run compute). ``trace``, a list,
     receives each update's training loss and K-FAC's reported
-    ``kfac/kl`` (the update-norm guard's ``q``; NaN for MomentumSGD)."""
+    ``kfac/kl`` (the bound's ``q``; NaN for MomentumSGD)."""
     model, (x_train, y_train), (x_val, y_val) = classifier(model_name, data,
                                                            seed)
     optimizer = make_optimizer()
@@ -209,7 +208,6 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
     refreshes = dict.fromkeys(REFRESHES, 0)
     rng = numpy.random.RandomState(seed)
     order, position, losses = rng.permutation(len(x_train)), 0, []
-    backtracks = []
     start = time.perf_counter()
     error = None
     for t in range(iterations):
@@ -228,8 +226,6 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
             break
         for key in refreshes:
             refreshes[key] += int(observation.get('kfac/' + key, 0))
-        if observation.get('kfac/backtracks', 0) > len(backtracks):
-            backtracks.append(t)
         losses.append(float(model.loss.array))
         if trace is not None:
             trace.append((losses[-1], float(observation.get('kfac/kl',
@@ -248,7 +244,7 @@ def run(model_name, make_optimizer, seed, iterations, batchsize, data,
             else None,
             'max_loss': max(losses) if losses else None,
             'diverged': bool(diverged), 'error': error, 'seconds': seconds,
-            'backtracks': backtracks, **refreshes}
+            **refreshes}
 
 
 def summary(model_name, lr, optimizer_name, runs):

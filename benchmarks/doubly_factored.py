@@ -5,8 +5,6 @@
         --jobs 2                                  # the grid, seed 0
     PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py train \\
         --seeds 1 --lrs-kfac 0.05 0.8 --lrs-sgd 0.05   # a second seed
-    PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py train \\
-        --optimizers kfac_doubly_rel10 --lrs-kfac 0.05 0.8 --seeds 0 1
     PYTHONPATH=. .venv/bin/python benchmarks/doubly_factored.py --report
 
 Ba, Grosse & Martens (2017, §4) approximate the input factor of a layer
@@ -32,20 +30,18 @@ convolutions with BatchNorm and ReLU, 16-32 at 24x24, 2x2 max-pooling,
 inputs, 256 outputs, ReLU) and ``fc2`` (10). The compare_shapes.py recipe
 (batch 256, linear warm-up over 2 epochs then cosine decay to 0, weight
 decay 5e-4, momentum 0.9; 10 epochs of 8,000 images): MomentumSGD over a
-grid of base learning rates (``--lrs-sgd``), and the grafted step, the
-defaults before ``kl_graft`` (``kfac``: fc1's block ``A ⊗ G``, ``A``
-9,217 x 9,217), the same with ``doubly_factored_from=8192``
-(``kfac_doubly``: ``Ψ`` 256 x 256, ``K`` 36 x 36), the defaults with it
-(``kfac_doubly_graft_average``) and with ``A ⊗ G``
-(``kfac_graft_average``), the defaults before them
-(``kfac_doubly_kl_graft``), the defaults with backtracking instead of the
-guard's bound (``kfac_doubly_backtrack``; ``kfac_doubly_backtrack_guard``
-with both), at ``--lrs-kfac``: MomentumSGD's best and K-FAC's own. A
-backtracking row passes each step's loss to K-FAC (``update(classifier,
-x, t)``) and records the iterations at which it backtracked. Each run
-keeps its per-epoch validation accuracy and loss, training seconds and
-its K-FAC stage seconds; runs are kept in ``results/doubly_factored.json``
-as they end and not repeated.
+grid of base learning rates (``--lrs-sgd``), and K-FAC with
+``doubly_factored_from=8192`` (fc1's block ``Ψ`` 256 x 256, ``K`` 36 x 36
+in place of ``A ⊗ G``, ``A`` 9,217 x 9,217) under ``compare_shapes.py``'s
+step of fixed KL change: with factors every step
+(``kfac_doubly_kl_step``), with the default adaptive intervals
+(``kfac_doubly_kl_step_adaptive``: the defaults with the doubly-factored
+block) and with the KL change per step that the run's length sets
+(``kfac_doubly_kl_run``), at ``--lrs-kfac``: MomentumSGD's best and
+K-FAC's own. Each run keeps its per-epoch validation accuracy and loss,
+training seconds and its K-FAC stage seconds; runs are kept in
+``results/doubly_factored.json`` as they end and not repeated (runs of
+rows this script no longer has stay there, and in the report).
 """
 import argparse
 import multiprocessing
@@ -69,29 +65,7 @@ import shapes
 OUT = 'doubly_factored.json'
 WIDTH = 8192
 #: name -> K-FAC options (None: MomentumSGD).
-OPTIMIZERS = {'sgd': None, 'kfac': harness.GRAFTED,
-              'kfac_doubly': dict(harness.GRAFTED,
-                                  doubly_factored_from=WIDTH),
-              # The guard's bound relative to the run's own steps.
-              'kfac_doubly_rel10': dict(harness.GRAFTED,
-                                        doubly_factored_from=WIDTH,
-                                        kl_clip_relative=10),
-              # The default before graft_average: the natural direction at
-              # the grafted step's KL change, the bound following the
-              # schedule.
-              'kfac_doubly_kl_graft': {'doubly_factored_from': WIDTH,
-                                       'step_rule': 'kl_graft'},
-              # The defaults: layer-wise grafting of running averages,
-              # doubly factored and with A ⊗ G.
-              'kfac_doubly_graft_average': {'doubly_factored_from': WIDTH,
-                                            'step_rule': 'graft_average'},
-              'kfac_graft_average': {'step_rule': 'graft_average'},
-              # The defaults with backtracking in place of the guard's
-              # fixed bound, and beside it.
-              'kfac_doubly_backtrack': {'doubly_factored_from': WIDTH,
-                                        'kl_clip': None, 'backtrack': True},
-              'kfac_doubly_backtrack_guard': {'doubly_factored_from': WIDTH,
-                                              'backtrack': True},
+OPTIMIZERS = {'sgd': None,
               # compare_shapes' step of fixed KL change (a function of the
               # batch and the run's steps: the bound grows like the batch).
               'kfac_doubly_kl_step': lambda batch, steps: dict(
@@ -236,29 +210,19 @@ def train(spec):
         optimizer = chainerkfac.optimizers.KFAC(lr=lr, momentum=0.9,
                                                 **options)
         timer = optimizer.stage_timer = chainerkfac.timing.StageTimer()
-    # Backtracking tests each step's loss, which update(classifier, x, t)
-    # gives K-FAC.
-    net = L.Classifier(model) if options and options.get('backtrack') \
-        else model
-    optimizer.setup(net)
+    optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
         compare_shapes.WEIGHT_DECAY))
-    reporter = chainer.Reporter()
-    reporter.add_observer('main', net)
     rng = numpy.random.RandomState(seed)
-    curve, wall, it, backtracks = [], 0.0, 0, []
+    curve, wall, it = [], 0.0, 0
     for epoch in range(1, epochs + 1):
         order = rng.permutation(len(x_tr))
         for k in range(steps):
             idx = order[k * batch:(k + 1) * batch]
             optimizer.lr = lr * compare_shapes.schedule_factor(it, total,
                                                                warmup)
-            observation = {}
-            with reporter.scope(observation):
-                loss_value, seconds = harness.train_step(
-                    net, optimizer, x_tr[idx], y_tr[idx])
-            if observation.get('kfac/backtracks', 0) > len(backtracks):
-                backtracks.append(it)
+            loss_value, seconds = harness.train_step(
+                model, optimizer, x_tr[idx], y_tr[idx])
             wall += seconds
             it += 1
         accuracy, val_loss = compare_shapes.evaluate(model, x_val, y_val)
@@ -271,8 +235,6 @@ def train(spec):
     run = {'optimizer': name, 'base_lr': base_lr, 'seed': seed,
            'epochs': epochs, 'warmup_epochs': warmup_epochs, 'batch': batch,
            'n_train': n_train, 'curve': curve}
-    if options and options.get('backtrack'):
-        run['backtracks'] = backtracks
     if timer is not None:
         run['stage_seconds'] = timer.coarse()
         run['inversions'] = timer.calls['inversion']
@@ -399,7 +361,7 @@ def main(argv=None):
     parser.add_argument('--steps', type=int, default=3)
     parser.add_argument('--standard-max', type=int, default=9216)
     parser.add_argument('--optimizers', nargs='+',
-                        default=['sgd', 'kfac', 'kfac_doubly'])
+                        default=['sgd', 'kfac_doubly_kl_step_adaptive'])
     parser.add_argument('--lrs-sgd', type=float, nargs='+',
                         default=[0.0125, 0.025, 0.05, 0.1, 0.2, 0.4])
     parser.add_argument('--lrs-kfac', type=float, nargs='+',

@@ -5,9 +5,9 @@ step by step on the convergence suite without the guard.
     PYTHONPATH=. .venv/bin/python benchmarks/guard_traces.py --report
                                   # the criteria again, from the traces
 
-The update-norm guard (:mod:`chainerkfac.update_norm`) cuts a step whose
-``q = η² Σ_b ρ_b² ⟨V_b, g_b⟩`` (twice its estimated KL change) is over a
-fixed bound ``κ``. A bound with no scale to tune would compare ``q`` with
+The bound on the step's KL change (:mod:`chainerkfac.step_rule`) cuts a
+step whose ``q = η² Σ_b ρ_b² ⟨V_b, g_b⟩`` (twice its estimated KL change)
+is over a fixed ``κ``. A bound with no scale to tune would compare ``q`` with
 something the run measures instead. This trains K-FAC with the guard off
 (``kl_clip=None``, the defaults otherwise) on the suite's models, learning
 rates and seeds (``convergence_suite.run``: the same weights and batches),
@@ -15,13 +15,12 @@ records each step's ``q`` and training loss, and asks of each criterion
 below whether it would have bound:
 
 - ``past_min_c``: ``q_t > c · min_{s<t} q_s``, the run's own smallest step
-  so far (the learning rate is constant here, so this is
-  ``kl_clip_relative``'s ``q / η²`` without the fixed floor);
+  so far (the learning rate is constant here);
 - ``window3_c``: the same over the last 3 steps only;
 - ``loss``: ``q_t`` over the step's training loss (a KL change larger than
   the distance to the labels);
-- ``fixed_κ``: ``q_t > κ``, a fixed bound, for scale (``1e-2`` is the
-  default at batch 64).
+- ``fixed_κ``: ``q_t > κ``, a fixed bound, for scale (the default is
+  ``5e-4`` at batch 64).
 
 A run's damage step is the first step, from the sixth on, whose loss is
 not finite or is over twice the lowest before it and over 1. A run
@@ -50,7 +49,7 @@ import harness
 SCRIPT = 'guard_traces'
 FACTORS = (10, 100, 1000)
 WINDOW = 3
-#: Fixed bounds, for scale (1e-2: the default at batch 64).
+#: Fixed bounds, for scale.
 FIXED = (1e-3, 1e-2, 1e-1, 1.0)
 #: A clean run's share of bound steps that a safety net may reach.
 CLEAN_SHARE = 0.01

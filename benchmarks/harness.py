@@ -313,10 +313,6 @@ def read_json(name):
 #: The variant a script writes without ``--name``.
 DEFAULT = 'default'
 
-#: K-FAC's options that give the defaults before ``kl_graft``: the grafted
-#: step under a fixed bound (the rows measured beside the defaults).
-GRAFTED = {'step_rule': 'graft', 'kl_clip_follows_lr': False}
-
 
 def stem(script, name=DEFAULT):
     """``script``, or ``script_name`` for a variant other than the

@@ -31,8 +31,6 @@ import harness
 OPTIMIZERS = {
     'momentum_sgd': None,
     'kfac': {},
-    # The defaults before kl_graft.
-    'kfac_graft': harness.GRAFTED,
     'kfac_natural_kl1e-4': {'step_rule': 'natural', 'kl_clip': 1e-4},
 }
 

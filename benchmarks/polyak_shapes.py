@@ -9,9 +9,9 @@ parameters and of BatchNorm's statistics. Each run here trains like
 keeps :class:`chainerkfac.PolyakAveraging` averages at every ``--decays``
 value beside the live model; after every epoch it evaluates the live model
 and each average on the 5,000 validation images. MomentumSGD (``sgd``) and
-K-FAC's grafted step (``kfac_graft``, the defaults before kl_graft) train
-at the same base learning rate, MomentumSGD's best on compare_shapes.py
-(1.6 at batch 256).
+the one-line swap (``kfac_kl_step_adaptive``, compare_shapes.py's row of
+the defaults) train at the same base learning rate, MomentumSGD's best on
+compare_shapes.py (1.6 at batch 256).
 
 The report gives, per optimizer and per model (``live``, ``avg 0.99``,
 ...): the final validation accuracy and loss and the accuracy after half
@@ -20,7 +20,8 @@ MomentumSGD's live final accuracy in these runs minus 0.5 point
 (compare_shapes.py's rule, over this script's runs), with the seeds that
 reach it, and what folding the averages cost next to the training steps.
 Runs are kept in ``results/polyak_shapes.json`` as they end and not
-repeated.
+repeated (runs of rows this script no longer has stay there, out of the
+report).
 """
 import argparse
 import multiprocessing
@@ -38,7 +39,7 @@ import harness
 import shapes
 
 OUT = 'polyak_shapes.json'
-OPTIMIZERS = ('sgd', 'kfac_graft')
+OPTIMIZERS = ('sgd', 'kfac_kl_step_adaptive')
 
 
 def _key(run):
@@ -188,7 +189,7 @@ def main(argv=None):
         print(write(runs, previous.get('environment'), args.out)[1])
         return
     environment = harness.environment()
-    kl_clip = compare_shapes.GRAFT_KL_CLIP
+    kl_clip = compare_shapes.KL_STEP_CLIP
     done = {_key(r) for r in runs}
     specs = [(decays, name, args.lr, None if name == 'sgd' else kl_clip,
               args.batch, seed, args.epochs, args.warmup)

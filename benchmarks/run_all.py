@@ -31,13 +31,18 @@ SCRIPTS = ('step_time', 'time_to_accuracy', 'distributed')
 PREFIX = 'PYTHONPATH=. .venv/bin/python benchmarks/'
 DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
 FIGURES = os.path.join(ROOT, 'docs', 'benchmarks_figures')
-#: The time-to-accuracy run of the current defaults, and its rows shown.
-TTA_VARIANT = 'graft_average'
-TTA_ROWS = ('sgd', 'kfac_adaptive_graft_average')
-#: The rows of ``compare_shapes.py`` shown: MomentumSGD, the one-line swap
-#: and K-FAC tuned by hand (the other rows stay in its JSON and in the
-#: measurements).
-SHAPES_ROWS = ('sgd', 'kfac_layer_graft_average', 'kfac_reference')
+#: The time-to-accuracy run shown, and its rows: MomentumSGD and the
+#: defaults (the row's name in that run).
+TTA_VARIANT = 'kl_step'
+TTA_ROWS = ('sgd', 'kfac_adaptive_kl_step')
+#: The rows of ``compare_shapes.py`` shown, in this order: MomentumSGD,
+#: K-FAC tuned by hand and the one-line swap at the defaults (the other
+#: rows stay in its JSON and in the measurements).
+SHAPES_ROWS = ('sgd', 'kfac_reference', 'kfac_kl_step_adaptive')
+#: The rows of ``doubly_factored.py``'s training shown: MomentumSGD and
+#: the defaults with the doubly-factored fc1, at the bound of the batch
+#: and at the one of the run's length.
+DOUBLY_ROWS = ('sgd', 'kfac_doubly_kl_step_adaptive', 'kfac_doubly_kl_run')
 
 
 def commands(full):
@@ -191,7 +196,7 @@ def write_doc(full):
         lines += ['## Time to accuracy', '',
                   'Medians over the seeds of the best learning rate of each '
                   'grid; wall-clock counts training steps only. '
-                  '`kfac_adaptive_graft_average` is `KFAC(lr, momentum)` at '
+                  '`kfac_adaptive_kl_step` is `KFAC(lr, momentum)` at '
                   'the defaults.', '']
         for task, entry in tta['tasks'].items():
             lines += _tta_task(task, entry, TTA_ROWS)
@@ -265,22 +270,23 @@ def _shapes_section(shapes):
     return [
         '## Harder task: K-FAC against a tuned large-batch MomentumSGD', '',
         'Command: `{0}compare_shapes.py --batches B --lrs-sgd ... '
-        '--reference ... --layer-graft-average ... --seeds S --jobs 2` '
-        '(runs accumulate across invocations; the script\'s docstring says '
-        'what each row is). Generated colour images ({1}: 10 classes, '
+        '--reference ... --seeds S --jobs 2` (runs accumulate across '
+        'invocations; the script\'s docstring says what each row is). '
+        'Generated colour images ({1}: 10 classes, '
         '24x24), model {2}; every row with the same recipe: learning rate '
         '{3}, momentum {4}, weight decay {5}, {6} epochs ({7} of warm-up). '
-        '`kfac_layer_graft_average` is the one-line swap, '
-        '`KFAC(lr, momentum)` at the defaults, at MomentumSGD\'s best base '
-        'learning rate (its row the best of its grid); `kfac_reference` '
-        'K-FAC tuned by hand (the natural step, damping 1e-3, factors '
-        'every step, no guard). Seconds count training steps only, two '
-        'runs at a time on the 2 cores (read differences under about 15% '
-        'as noise).'.format(
+        '`kfac_kl_step_adaptive` is the one-line swap, '
+        '`KFAC(lr, momentum)` at the defaults, at '
+        'MomentumSGD\'s best base learning rate (its row the best of its '
+        'grid); `kfac_reference` K-FAC tuned by hand (the natural step, '
+        'damping 1e-3, factors every step, no bound). Seconds count '
+        'training steps only, two runs at a time on the 2 cores (read '
+        'differences under about 15% as noise).'.format(
             PREFIX, recipe['data'], recipe['model'], recipe['lr'],
             recipe['momentum'], recipe['weight_decay'], recipe['epochs'],
             recipe['warmup_epochs']),
-        '', _env_line(shapes), '', compare_shapes.report(summary), '',
+        '', _env_line(shapes), '',
+        compare_shapes.report(summary, SHAPES_ROWS), '',
         '![shapes](benchmarks_figures/{})'.format(png), '']
 
 
@@ -329,40 +335,32 @@ def _doubly_factored_section(payload):
     summary = payload.get('summary')
     if summary:
         lines += [
-            'Commands: `{0}doubly_factored.py train --jobs 2` (the grid, '
-            'seed 0) and `{0}doubly_factored.py train --seeds 1 --lrs-kfac '
-            '0.05 0.8 --lrs-sgd 0.05 --jobs 2` (a second seed, run in '
-            'parts); `kfac_doubly_rel10` (the same with '
-            '`kl_clip_relative=10`) by `{0}doubly_factored.py train '
-            '--optimizers kfac_doubly_rel10 --lrs-kfac 0.05 0.8 --seeds 0 1 '
-            '--jobs 2`, beside other benchmarks (its seconds are not '
-            'comparable). '
+            'Commands: `{0}doubly_factored.py train --optimizers ROWS '
+            '--lrs-kfac ... --seeds ... --jobs 2` (runs accumulate across '
+            'invocations), MomentumSGD\'s grid by `{0}doubly_factored.py '
+            'train --optimizers sgd --jobs 2` (seed 0) and `--optimizers '
+            'sgd --seeds 1 --lrs-sgd 0.05` (a second seed). '
             '`doubly_factored.VGGStyle` (six 3x3 conv+BN layers, '
             'max-pooling, fc1 on the 256x6x6 map: 9,216 inputs) on 8,000 '
             'shapes images, 10 epochs, the recipe of compare_shapes.py; '
-            '`kfac` is the grafted step, the defaults before `kl_graft` (fc1 '
-            '`A ⊗ G`), `kfac_doubly` the same with '
-            '`doubly_factored_from=8192`, `kfac_doubly_graft_average` the '
-            'defaults with it and `kfac_doubly_kl_graft` the defaults before '
-            '(`--optimizers kfac_doubly_kl_graft kfac_doubly_graft_average '
-            '--lrs-kfac 0.05 0.8 --seeds 0 1`; the former\'s own grid '
-            '`--optimizers kfac_doubly_graft_average --lrs-kfac 0.0125 0.1 '
-            '0.2 0.4`), `kfac_graft_average` the defaults with `A ⊗ G` '
-            '(`--optimizers kfac_graft_average --lrs-kfac 0.2 --seeds 0 '
-            '1`); `kfac_doubly_kl_step` and '
-            '`kfac_doubly_kl_step_adaptive` compare_shapes.py\'s step of '
-            'fixed KL change (`kl_clip` 2e-3 at batch 256), '
+            '`kfac_doubly_kl_step` and `kfac_doubly_kl_step_adaptive` (the '
+            'defaults with `doubly_factored_from=8192`) compare_shapes.py\'s '
+            'step of fixed KL change (`kl_clip` 2e-3 at batch 256), '
             '`kfac_doubly_kl_run` the latter with the KL change per step '
             'that the run\'s length sets (`compare_shapes.KL_BUDGET` / 310 '
             'steps = 0.01; [the measurements](measurements.md#the-step-of-'
-            'fixed-kl-change-on-every-benchmark)). Target {1:.1%}: '
+            'fixed-kl-change-on-every-benchmark)); the rows of options '
+            'since removed stay in its JSON and the measurements. '
+            'Target {1:.1%}: '
             'MomentumSGD\'s best final accuracy over its grid minus 0.5 '
             'point; "epochs to target" per seed, `-` where a run missed '
             'it. The line below describes the last invocation.'.format(
                 PREFIX, summary['target']),
             '', _env_line({'environment': payload.get(
                 'train_environment', {})}), '',
-            doubly_factored.train_table(summary), '']
+            doubly_factored.train_table(dict(summary, rows=[
+                r for r in summary['rows'] if r['optimizer'] in DOUBLY_ROWS])),
+            '']
     return lines
 
 

@@ -83,11 +83,6 @@ CONFIGS = {
         'under the guard (the default before grafting)',
         _kfac(factor_interval=10, inverse_interval=100, step_rule='natural',
               kl_clip=1e-4), None),
-    'kfac_10_100_graft': (
-        'K-FAC, factors every 10, inverses every 100, the grafted step '
-        'under a fixed bound (the default before kl_graft)',
-        _kfac(factor_interval=10, inverse_interval=100, **harness.GRAFTED),
-        None),
     'kfac_adaptive_delay3': (
         'K-FAC, Adaptive() factors, inverses when changed, built in the '
         'background and used 3 steps later (inverse_delay=3)',
@@ -111,11 +106,6 @@ CONFIGS = {
     'kfac_adaptive': ('K-FAC, Adaptive() factors, inverses when changed',
                       _kfac(factor_interval=schedules.Adaptive(),
                             inverse_interval=1), None),
-    'kfac_adaptive_graft_average': (
-        "K-FAC, Adaptive() factors, inverses when changed, "
-        "step_rule='graft_average'",
-        _kfac(factor_interval=schedules.Adaptive(), inverse_interval=1,
-              step_rule='graft_average'), None),
     'kfac_1_sub2': ('K-FAC, refresh every step, spatial_subsample=2',
                     _kfac(spatial_subsample=2), None),
     'kfac_10_100_sub2': ('K-FAC, factors every 10, inverses every 100, '

@@ -17,17 +17,13 @@ budget grows with the batch as the paper's did: its epochs times 20/35
 - ``sgd``: MomentumSGD with ``compare_shapes.py``'s large-batch recipe
   (``lr = base · B / 256``, 2 epochs of warm-up, cosine decay to 0,
   momentum 0.9), its base learning rate over ``--lrs-sgd``;
-- ``kfac_layer_graft_average``: the one-line swap, ``KFAC(lr, 0.9)`` at
-  the defaults (``step_rule='graft_average'``), with the same recipe at
-  ``sgd``'s best base learning rate at that batch;
-- ``kfac_kl_graft``: the same swap at the defaults before,
-  ``step_rule='kl_graft'``;
 - ``kfac_kl_step`` and ``kfac_kl_step_adaptive``: ``compare_shapes.py``'s
   step of fixed KL change (its options and bound, at that batch), with
-  factors every step and with the default adaptive intervals, the same
-  recipe at ``sgd``'s best base learning rate;
+  factors every step and with the default adaptive intervals (the
+  defaults: the one-line swap, ``KFAC(lr, 0.9)``), with the same recipe
+  at ``sgd``'s best base learning rate at that batch;
 - ``kfac_paper``: the paper's recipe at that batch: the natural step, no
-  guard, factors every step (``cov_ema_decay`` 0), the diagonal BatchNorm
+  bound, factors every step (``cov_ema_decay`` 0), the diagonal BatchNorm
   Fisher with its damping times 16, the polynomial learning-rate decay, the
   momentum adjusted to it and the damping warm-up of the configuration
   (``examples/imagenet/schemes``; its epochs scaled by 20/35, the warm-up's
@@ -48,7 +44,8 @@ and the better K-FAC row's median epochs over MomentumSGD's; each K-FAC
 row's critical batch over MomentumSGD's; and each row's median epochs at
 its largest batch over those at its smallest.
 Runs are kept in ``results/table1.json`` as they end; the plot goes to
-``results/table1.png``.
+``results/table1.png``. Runs of rows this script no longer has stay in the
+results and out of the report.
 """
 import argparse
 import json
@@ -80,16 +77,13 @@ EPOCH_SCALE = 20 / 35
 WARMUP_EPOCHS = 2
 #: Seeds at each row's best setting.
 SEEDS = 2
-ROWS = ('sgd', 'kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_paper',
-        'kfac_kl_step', 'kfac_kl_step_adaptive')
+ROWS = ('sgd', 'kfac_paper', 'kfac_kl_step', 'kfac_kl_step_adaptive')
 KFAC_ROWS = ROWS[1:]
-#: The one-line swaps: at MomentumSGD's best learning rate at each batch.
-SWAPS = ('kfac_layer_graft_average', 'kfac_kl_graft', 'kfac_kl_step',
-         'kfac_kl_step_adaptive')
-#: The rows with ``compare_shapes.py``'s bound of the step of fixed KL change.
-KL_STEP = ('kfac_kl_step', 'kfac_kl_step_adaptive')
-COLOURS = dict(zip(ROWS, ('tab:blue', 'black', 'tab:grey', 'crimson',
-                          'tab:green', 'tab:olive')))
+#: The one-line swaps: at MomentumSGD's best learning rate at each batch,
+#: with ``compare_shapes.py``'s bound of the step of fixed KL change.
+SWAPS = ('kfac_kl_step', 'kfac_kl_step_adaptive')
+COLOURS = dict(zip(ROWS, ('tab:blue', 'crimson', 'tab:green',
+                          'tab:olive')))
 
 
 def config(batch):
@@ -153,8 +147,7 @@ def train(spec):
             schedule=PaperSchedule(conf, lr, steps, steps * n_epochs),
             options=paper_options(conf))
     else:
-        bound = None if name == 'sgd' else compare_shapes.KL_STEP_CLIP \
-            if name in KL_STEP else chainerkfac.optimizers.KFAC().kl_clip
+        bound = None if name == 'sgd' else compare_shapes.KL_STEP_CLIP
         run = compare_shapes.train((name, setting, bound, batch, seed,
                                     n_epochs, WARMUP_EPOCHS))
     run['setting'] = setting
@@ -176,9 +169,11 @@ def reused_runs():
 
 
 def best_settings(runs):
-    """``{(batch, row): (setting, its runs)}``: the setting of the highest
-    seed-0 final accuracy (the grids run seed 0), the swaps at MomentumSGD's,
-    and the runs there of seeds below ``SEEDS``."""
+    """``{(batch, row): (setting, its runs)}`` of the rows of :data:`ROWS`:
+    the setting of the highest seed-0 final accuracy (the grids run seed
+    0), the swaps at MomentumSGD's, and the runs there of seeds below
+    ``SEEDS``."""
+    runs = [r for r in runs if r['optimizer'] in ROWS]
     chosen = {}
     for run in runs:
         key = run['batch'], run['optimizer']
@@ -301,9 +296,8 @@ def report(summary):
         cells.append(cell)
     lines.append(harness.table(cells, [
         'batch (steps an epoch, epochs)', 'MomentumSGD (base lr)',
-        'one-line swap (base lr)', 'swap, kl_graft (base lr)',
         'paper\'s recipe (lr multiplier)', 'kfac_kl_step (base lr)',
-        'kfac_kl_step_adaptive (base lr)',
+        'kfac_kl_step_adaptive, the one-line swap (base lr)',
         'better K-FAC / MomentumSGD (median epochs)']))
     critical = summary['critical_batch']
     lines += ['', 'Critical batch: ' + ', '.join(

@@ -145,90 +145,37 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid. Options that
 #: depend on the batch are a function of it.
 OPTIMIZERS = {'sgd': {}, 'kfac': {},
-              # The defaults before kl_graft, at --kfac-intervals.
-              'kfac_graft': harness.GRAFTED,
               'kfac_sub2': {'spatial_subsample': 2},
               'kfac_bsub4': {'batch_subsample': 4},
               # Factor intervals adapted to how fast the factors change
-              # (inverses follow them), instead of --kfac-intervals.
+              # (inverses follow them), instead of --kfac-intervals: the
+              # defaults.
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
-              # The defaults before kl_graft: the grafted step under a
-              # fixed bound (the same bound up to batch 512).
-              'kfac_adaptive_graft': dict(
-                  harness.GRAFTED,
-                  factor_interval=chainerkfac.schedules.Adaptive(),
-                  inverse_interval=1),
-              # The grafted step with a looser safety bound (grown like
-              # B² above batch 64 when measured).
-              'kfac_adaptive_kl0.1': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip': 0.1, **harness.GRAFTED},
-              # The defaults before grafting: the natural step under the
-              # update-norm guard's bound of 1e-4.
-              'kfac_adaptive_natural': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'natural',
-                  'kl_clip': 1e-4},
-              # The grafted step under the bound relative to the run's
-              # own steps (kl_clip_relative, update_norm.RelativeBound;
-              # the fixed bound grown like B² above batch 64 when measured).
-              'kfac_adaptive_rel10': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'kl_clip_relative': 10,
-                  **harness.GRAFTED},
-              # The natural direction at the grafted step's KL change, the
-              # bound following the learning rate's schedule: the defaults
-              # before graft_average (the bound grown like B² when first
-              # measured).
-              'kfac_adaptive_kl_graft': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'kl_graft',
-                  'kl_clip_follows_lr': True},
-              # Layer-wise grafting of running averages: the defaults
-              # since the graft_average variant (whose kfac_adaptive row
-              # ran under kl_graft).
-              'kfac_adaptive_graft_average': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'graft_average'},
-              # The defaults under the reference's damping (at
-              # --kfac-intervals 1,10: factors every step, inverses every
-              # 10 steps, as compare_shapes' fresh_factors_screen).
-              'kfac_d1e-3': {'damping': 1e-3},
-              # The defaults with each layer's step at most the natural
-              # step at the learning rate the gradient's noise sets, under
-              # the reference's damping (at --kfac-intervals 1,1: factors
-              # every step; compare_shapes' kfac_noise_cap_ref).
-              'kfac_noise_cap_ref': {'step_rule': 'noise_cap',
-                                     'damping': 1e-3},
-              # The same with the defaults' adaptive intervals.
-              'kfac_adaptive_noise_cap_ref': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'noise_cap',
-                  'damping': 1e-3},
               # The defaults with the damping 1e-2 · 64 / 512: one falling
               # like 1 / B from batch 64, at batch 512.
               'kfac_adaptive_d1.25e-3': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'damping': 1.25e-3},
               # K-FAC tuned by hand (at --kfac-intervals 1,1: factors every
-              # step): the natural step, no guard, damping 1e-3 or 1e-2;
-              # kl_graft without the guard.
+              # step): the natural step, no bound, damping 1e-3 or 1e-2;
+              # kl_graft without the bound.
               'kfac_reference': {'step_rule': 'natural', 'damping': 1e-3,
                                  'kl_clip': None},
               'kfac_reference_d1e-2': {'step_rule': 'natural',
-                                       'kl_clip': None},
+                                       'damping': 1e-2, 'kl_clip': None},
               'kfac_kl_graft_no_guard_d1e-3': {'damping': 1e-3,
                                                'kl_clip': None,
                                                'step_rule': 'kl_graft'},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
-              # rate is not used, no guard.
+              # rate is not used, no bound; the damping starts at 1e-2 (the
+              # default when this row was measured).
               'kfac_adaptive_quadratic_model': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'adaptive',
-                  'kl_clip': None},
+                  'damping': 1e-2, 'kl_clip': None},
               # compare_shapes' step of fixed KL change: damping 1e-3,
               # factors every step, the bound 5e-4 · B / 64 following the
               # schedule.

@@ -1,4 +1,4 @@
-"""Divergence that stays finite, and a guard that stalls training: noticed,
+"""Divergence that stays finite, and a bound that stalls training: noticed,
 named, and told apart.
 
 A run at too large a learning rate can stay finite for hundreds of steps
@@ -10,19 +10,15 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
   :data:`LOSS_GROWTH` times the first loss it saw, the run diverges
   (:class:`DivergenceWarning`, or :class:`DivergenceError` with
   ``divergence='raise'``);
-* the update-norm guard (:mod:`chainerkfac.update_norm`): a scale ``ν``
-  below :data:`HARD_SCALE` on :data:`PATIENCE` consecutive steps means the
-  bound, not the learning rate, sets every step, a thousand times shorter
-  than asked. That is not a divergence: where the loss has not fallen below
-  :data:`STALLED` times its first value the run stalls (a deep plain CNN
-  under the natural step and the bound of 1e-4 stayed at its first loss for
-  hundreds of steps), and the :class:`StallWarning` says what helps: a
-  larger ``kl_clip``, the bound relative to the run's own steps
-  (``kl_clip_relative``, :class:`chainerkfac.update_norm.RelativeBound`),
-  or, instead of the natural step, the default step rule
-  (:data:`chainerkfac.step_rule.DEFAULT`), whose length follows the
-  learning rate. Lowering the learning rate or
-  ``kl_clip`` would only shorten the steps further.
+* the bound on the step's KL change (:mod:`chainerkfac.step_rule`): a
+  scale ``ν`` below :data:`HARD_SCALE` on :data:`PATIENCE` consecutive
+  steps means the bound, not the learning rate, sets every step, a
+  thousand times shorter than asked. That is not a divergence: where the
+  loss has not fallen below :data:`STALLED` times its first value the run
+  stalls (a deep plain CNN under the natural step and the bound of 1e-4
+  stayed at its first loss for hundreds of steps), and the
+  :class:`StallWarning` says what helps: a larger ``kl_clip``. Lowering the
+  learning rate or ``kl_clip`` would only shorten the steps further.
 
 Each kind of warning is given once. The monitor's state (the first and
 last losses, the hard clips in a row, the warnings given) is part of the
@@ -38,9 +34,9 @@ from chainerkfac import step_rule
 
 #: The loss counts as diverged above this multiple of the first loss.
 LOSS_GROWTH = 10.0
-#: A guard scale ``ν`` below this counts as a hard clip ...
+#: A bound scale ``ν`` below this counts as a hard clip ...
 HARD_SCALE = 1e-3
-#: ... and this many hard clips in a row as the guard setting the step.
+#: ... and this many hard clips in a row as the bound setting the step.
 #: Healthy runs clip hard for a few steps where the first factors are far
 #: from the later ones (``ν`` about 3e-3 for 15 steps on a ResNet-50 whose
 #: factors are refreshed every 50 steps).
@@ -62,7 +58,7 @@ class DivergenceWarning(RuntimeWarning):
 
 
 class StallWarning(RuntimeWarning):
-    """The update-norm guard sets every step of a K-FAC run and its loss
+    """The bound on the KL change sets every step of a K-FAC run and its loss
     does not fall."""
 
 
@@ -71,7 +67,7 @@ class DivergenceError(RuntimeError):
 
 
 class DivergenceMonitor:
-    """Watches the loss and the guard's scale, step by step.
+    """Watches the loss and the bound's scale, step by step.
 
     Args:
         action (str): ``'warn'``: warn once; ``'raise'``: raise
@@ -92,7 +88,7 @@ class DivergenceMonitor:
         self.warned = set()
 
     def observe(self, step, loss=None, update_scale=1.0):
-        """Checks step ``step``'s loss (``None`` if unknown) and guard
+        """Checks step ``step``'s loss (``None`` if unknown) and bound
         scale; warns or raises on a sign of divergence or of a stall."""
         if loss is not None and math.isfinite(loss):
             if self.first_loss is None:
@@ -106,7 +102,7 @@ class DivergenceMonitor:
         self.hard_clips = self.hard_clips + 1 \
             if update_scale < HARD_SCALE else 0
         if self.hard_clips >= PATIENCE:
-            self._guard_binds(step)
+            self._bound_binds(step)
 
     #: The snapshot keys and the warning each flag stands for.
     _WARNED = (('warned_divergence', DivergenceWarning),
@@ -132,12 +128,12 @@ class DivergenceMonitor:
         self._warn(DivergenceWarning, message +
                    " (divergence='raise' stops the run)")
 
-    def _guard_binds(self, step):
+    def _bound_binds(self, step):
         if StallWarning in self.warned or (
                 self.last_loss is not None
                 and self.last_loss < STALLED * self.first_loss):
             return  # said once; or the loss falls: slow, not stuck
-        clipped = ('the update-norm guard scaled the last {} updates by '
+        clipped = ('the bound on the KL change scaled the last {} updates by '
                    'less than {:g}: its bound kl_clip, not the learning '
                    'rate, sets every step'.format(self.hard_clips,
                                                   HARD_SCALE))
@@ -146,14 +142,10 @@ class DivergenceMonitor:
             'the training loss {:.4g} has not fallen (first {:.4g})'.format(
                 self.last_loss, self.first_loss)
         self._warn(StallWarning, (
-            'K-FAC stalls at iteration {}: {}, and {}. Raise kl_clip, or, '
-            'at learning rates of 0.1 or less, set kl_clip_relative=10, '
-            "which bounds the steps relative to the run's smallest instead "
-            "of by kl_clip alone; instead of step_rule='natural', use the "
-            "default step_rule={!r}, whose steps follow the learning "
-            'rate; lowering the learning rate or kl_clip would shorten the '
-            'steps further (docs/guide/tuning.md)').format(
-                step, clipped, loss, step_rule.DEFAULT))
+            'K-FAC stalls at iteration {}: {}, and {}. Raise kl_clip '
+            '(kl_clip=None turns the bound off); lowering the learning '
+            'rate or kl_clip would shorten the steps further '
+            '(docs/guide/tuning.md)').format(step, clipped, loss))
 
     def _warn(self, category, message):
         if category not in self.warned:

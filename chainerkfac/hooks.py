@@ -11,7 +11,7 @@ Blocks get the arrays in float32 where the model computes in float16
 (``chainer.config.train`` false) and passes without backprop never touch
 the statistics. Every training pass, stale ones
 included, counts its samples, whose total since the last step the
-update-norm guard's bound follows.
+bound on the step's KL change grows with.
 """
 import logging
 

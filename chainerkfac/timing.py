@@ -21,7 +21,7 @@ for ``statistics_forward`` only, a collective inside a refresh for
     communication          the K-FAC communicator's collectives
     inversion              building inverse forms (and split blocks'
                            parts and shared factorizations)
-    precondition           V = F̂⁻¹ ∇ and the guard's sums
+    precondition           V = F̂⁻¹ ∇ and the step rule's sums
     update                 the rest of ``update``: checks, the update
                            rule, hooks
 

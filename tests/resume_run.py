@@ -38,13 +38,10 @@ class CNN(chainer.Chain):
 
 
 def make_optimizer(inverse, step_rule, kl_clip, inverse_delay=0,
-                   doubly_factored_from=None, kl_clip_relative=None,
-                   lr=0.05, backtrack=False):
+                   doubly_factored_from=None, lr=0.05):
     return chainerkfac.optimizers.KFAC(
-        lr=lr, backtrack=backtrack, momentum=0.9, cov_ema_decay=0.9,
-        inverse=inverse,
+        lr=lr, momentum=0.9, cov_ema_decay=0.9, inverse=inverse,
         step_rule=step_rule, kl_clip=kl_clip, inverse_delay=inverse_delay,
-        kl_clip_relative=kl_clip_relative,
         doubly_factored_from=doubly_factored_from,
         factor_interval={'A': schedules.Adaptive(threshold=0.2),
                          'G': lambda t: 1 if t < 4 else 2},
@@ -66,13 +63,9 @@ def main():
     parser.add_argument('--doubly-factored-from', type=int, default=None)
     parser.add_argument('--double', action='store_true',
                         help='a float64 model and data')
-    # The fixtures of older snapshots were written by the natural step
-    # under the guard's bound of 1e-4, the defaults of their time.
-    parser.add_argument('--step-rule', default='graft')
+    parser.add_argument('--step-rule', default='kl_graft')
     parser.add_argument('--kl-clip', type=float, default=None)
-    parser.add_argument('--kl-clip-relative', type=float, default=None)
     parser.add_argument('--lr', type=float, default=0.05)
-    parser.add_argument('--backtrack', action='store_true')
     args = parser.parse_args()
     numpy.random.seed(0)  # SplitMLP's default initializers draw from it
     dtype = numpy.float64 if args.double else numpy.float32
@@ -80,8 +73,7 @@ def main():
         model = split_model.SplitMLP(36) if args.mlp else CNN()
     optimizer = make_optimizer(args.inverse, args.step_rule, args.kl_clip,
                                args.inverse_delay, args.doubly_factored_from,
-                               args.kl_clip_relative, args.lr,
-                               args.backtrack)
+                               lr=args.lr)
     rank, size, suffix = 0, 1, ''
     if args.distributed:
         comm = chainerkfac.create_communicator('naive')

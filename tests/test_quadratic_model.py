@@ -166,7 +166,8 @@ def test_damping_follows_the_reduction_ratio_and_resumes():
     # keeps it and the resumed run takes the same steps.
     def fresh():
         model = L.Classifier(MLP())
-        optimizer = chainerkfac.optimizers.KFAC(step_rule='adaptive')
+        optimizer = chainerkfac.optimizers.KFAC(step_rule='adaptive',
+                                                damping=1e-2)
         optimizer.setup(model)
         return model, optimizer
 

@@ -6,7 +6,6 @@ import numpy
 import pytest
 
 import chainerkfac
-from chainerkfac import update_norm
 from chainerkfac.distributed import split
 from tests import brute_force
 from tests import snapshot_helpers
@@ -50,17 +49,14 @@ def full_gradient(link):
 
 
 def dense_step_scales(rule, solved, kl_clip, lr, batch):
-    """The step rule's ``ρ_b`` and the guard's ``ν`` from dense arrays:
+    """The step rule's ``ρ_b`` and the bound's ``ν`` from dense arrays:
     ``solved[name] = (g, V)``."""
-    if rule == 'natural':
-        rho = {name: 1.0 for name in solved}
-    else:
-        rho = {name: numpy.linalg.norm(g) / numpy.linalg.norm(V)
-               for name, (g, V) in solved.items()}
+    rho = {name: 1.0 for name in solved}
     if rule == 'kl_graft':
-        # One scale: the natural step with the grafted step's KL change.
-        grafted = sum(rho[name] ** 2 * numpy.vdot(V, g)
-                      for name, (g, V) in solved.items())
+        # One scale: the natural step with the KL change of the step each
+        # block would take at SGD's length, ‖g_b‖ / ‖V_b‖ times V_b.
+        grafted = sum(numpy.vdot(g, g) / numpy.vdot(V, V) * numpy.vdot(V, g)
+                      for g, V in solved.values())
         natural = sum(numpy.vdot(V, g) for g, V in solved.values())
         rho = {name: numpy.sqrt(grafted / natural) for name in solved}
     kl = lr ** 2 * sum(rho[name] ** 2 * numpy.vdot(V, g)
@@ -79,14 +75,14 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
 @pytest.mark.parametrize('dtype,rtol', [(numpy.float64, 1e-5),
                                         (numpy.float32, 2e-3)])
 @pytest.mark.parametrize('rule,kl_clip', [
-    ('natural', 1e-4), ('graft', None), ('graft', 1e-4),
-    ('kl_graft', None), ('kl_graft', 1e-4)])
+    ('natural', 1e-4), ('natural', None), ('kl_graft', None),
+    ('kl_graft', 1e-4)])
 @pytest.mark.parametrize('nobias', [False, True])
 def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
                                                state, dtype, rtol, rule,
                                                kl_clip, nobias):
     # V_b = F̂_b⁻¹ g_b by a dense solve; the step rule's ρ_b and the
-    # update-norm guard's ν = min(1, sqrt(κ / (lr² Σ_b ρ_b² ⟨V_b, g_b⟩))),
+    # bound's ν = min(1, sqrt(κ / (lr² Σ_b ρ_b² ⟨V_b, g_b⟩))),
     # κ = kl_clip · 16 / 64 for this batch of 16, by their formulas; then
     # w <- w - lr ρ_b ν V_b (momentum 0). Without a bias (a convolution
     # before BatchNorm) the block's gradient is a view of W.grad, which V
@@ -122,16 +118,11 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
             numpy.linalg.solve(dense, brute_force.vec(grad)), grad.shape)
     rho, kl, nu = dense_step_scales(rule, solved, kl_clip, lr, len(x))
     if kl_clip is not None:
-        assert nu < 0.5  # the guard acts here
+        assert nu < 0.5  # the bound acts here
     numpy.testing.assert_allclose(observation['kfac/kl'], kl,
                                   rtol=rtol)
     numpy.testing.assert_allclose(observation['kfac/update_scale'], nu,
                                   rtol=rtol)
-    if rule == 'kl_graft':
-        # The natural direction with the KL change of the grafted step.
-        _, grafted_kl, _ = dense_step_scales('graft', solved, None, lr, 0)
-        numpy.testing.assert_allclose(observation['kfac/kl'], grafted_kl,
-                                      rtol=rtol)
     for name, (_, V) in solved.items():
         step = lr * rho[name] * nu * V
         link = getattr(model, name)
@@ -143,31 +134,20 @@ def test_one_step_equals_dense_kronecker_solve(inverse, inverse_interval,
             numpy.testing.assert_allclose(host(link.b.array), b_new,
                                           rtol=rtol,
                                           atol=rtol * abs(b_new).max())
-        if rule == 'graft' and kl_clip is None:
-            # SGD's step length, block by block.
-            g = full_gradient(getattr(ref, name))
-            numpy.testing.assert_allclose(numpy.linalg.norm(step),
-                                          lr * numpy.linalg.norm(g),
-                                          rtol=rtol)
 
 
-@pytest.mark.parametrize('kl_clip,kl_clip_batch,acc_iters,manual,batch', [
-    (1e-4, None, 1, 0, 16), (1e-4, 64, 1, 0, 16), (1e-4, 64, 2, 0, 16),
-    (1e-4, 4, 1, 1, 16), (1e-4, 4, 1, 4, 16), (1e-4, 64, 1, 0, 48),
-    (0.1, 4, 1, 0, 16), (0.8, 4, 1, 0, 16), (0.8, None, 1, 0, 16)])
-def test_guard_bound_grows_with_the_batch(kl_clip, kl_clip_batch, acc_iters,
-                                          manual, batch):
-    # κ = kl_clip · r · max(r, 1), r = B / kl_clip_batch: like B below
-    # kl_clip_batch, like B² above it (kl_clip_batch 4), growing to at most
-    # GROWN_MAX, never below kl_clip. B is the whole batch however it was
-    # fed (micro-batches of acc_iters, or the user's own forward and
-    # backward passes, ``manual`` of them).
+@pytest.mark.parametrize('kl_clip,acc_iters,manual,batch', [
+    (1e-4, 1, 0, 16), (1e-4, 2, 0, 16), (1e-4, 1, 1, 16), (1e-4, 1, 4, 16),
+    (1e-4, 1, 0, 48), (1e-4, 1, 0, 256), (0.1, 1, 0, 16)])
+def test_bound_grows_like_the_batch(kl_clip, acc_iters, manual, batch):
+    # κ = kl_clip · B / 64, B the whole batch however it was fed
+    # (micro-batches of acc_iters, or the user's own forward and backward
+    # passes, ``manual`` of them).
     model = place(MLP())
-    # A learning rate at which the guard acts at every one of these bounds.
-    opt = chainerkfac.optimizers.KFAC(lr=0.5 if kl_clip < 0.01 else 20.0,
-                                      kl_clip=kl_clip,
-                                      kl_clip_batch=kl_clip_batch,
-                                      acc_iters=acc_iters)
+    # A learning rate at which the bound acts at every one of these.
+    opt = chainerkfac.optimizers.KFAC(
+        lr=0.5 if kl_clip < 0.01 and batch < 64 else 20.0, kl_clip=kl_clip,
+        acc_iters=acc_iters)
     opt.setup(model)
     x, t = send(*data(n=batch))
     observation = {}
@@ -179,73 +159,11 @@ def test_guard_bound_grows_with_the_batch(kl_clip, kl_clip_batch, acc_iters,
             opt.update()
         else:
             opt.update(loss_fn(model), x, t)
-    bound = kl_clip if kl_clip_batch is None else min(
-        kl_clip * batch / kl_clip_batch * max(batch / kl_clip_batch, 1),
-        max(kl_clip, update_norm.GROWN_MAX))
+    bound = kl_clip * batch / 64
     expected = min(1.0, numpy.sqrt(bound / observation['kfac/kl']))
-    assert expected < 1  # the guard acts at every one of these bounds
+    assert expected < 1  # the bound acts at every one of these
     numpy.testing.assert_allclose(observation['kfac/update_scale'], expected,
                                   rtol=1e-12)
-
-
-def test_relative_bound_follows_the_smallest_kl_of_the_run():
-    # κ_t = max(κ, c η_t² m_t), m_t = min_{s≤t} q_s / η_s²: steps whose q
-    # exceeds κ pass while q stays within c times the run's smallest (at
-    # this lr); a step whose inputs are 10 times larger is cut back to c η²
-    # m_t, above κ. The learning rate changes between steps.
-    kl_clip, relative = 1e-3, 10.0
-    numpy.random.seed(0)  # the links' initial weights
-    model = place(MLP())
-    opt = chainerkfac.optimizers.KFAC(lr=0.5, kl_clip=kl_clip,
-                                      kl_clip_batch=None,
-                                      kl_clip_relative=relative,
-                                      kl_clip_follows_lr=False,
-                                      step_rule='graft')
-    opt.setup(model)
-    smallest, scales, relaxed_bounds = numpy.inf, [], []
-    for step, (lr, size) in enumerate(zip(
-            [0.5, 0.5, 1.0, 0.2, 0.5, 0.5, 0.5], [1, 1, 1, 1, 1, 10, 1])):
-        opt.lr = lr
-        x, t = send(*data(seed=step))
-        observation = {}
-        with chainer.Reporter().scope(observation):
-            opt.update(loss_fn(model), size * x, t)
-        q = observation['kfac/kl']
-        smallest = min(smallest, q / lr ** 2)
-        bound = max(kl_clip, relative * lr ** 2 * smallest)
-        expected = min(1.0, numpy.sqrt(bound / q))
-        numpy.testing.assert_allclose(observation['kfac/update_scale'],
-                                      expected, rtol=1e-12)
-        scales.append(expected)
-        relaxed_bounds.append(bound > kl_clip and q > kl_clip)
-    assert opt.kl_clip_relative == relative
-    # Steps over κ taken whole, and one cut back above κ.
-    assert any(r and s == 1 for r, s in zip(relaxed_bounds, scales))
-    assert any(r and s < 1 for r, s in zip(relaxed_bounds, scales))
-
-
-def test_relative_bound_counts_only_finite_steps_taken():
-    bound = update_norm.RelativeBound()
-    # A step not taken (bound without accept) leaves m_t as it was.
-    assert bound.bound(1e-2, 10.0, 0.5, 0.5) == 5.0  # c η² q / η²
-    assert bound.smallest is None
-    assert bound.bound(1e-2, 10.0, 0.5, 0.5) == 5.0
-    bound.accept()
-    assert bound.smallest == 2.0
-    # An infinite, NaN or zero q, or a zero lr, does not join m_t.
-    for q, lr in ((numpy.inf, 0.5), (numpy.nan, 0.5), (0.0, 0.5),
-                  (0.5, 0.0)):
-        assert bound.bound(1e-2, 10.0, q, lr) == max(1e-2, 20 * lr * lr)
-        bound.accept()
-        assert bound.smallest == 2.0
-    # c None: the bound as given, m_t left alone; the guard off: no bound
-    # (m_t still follows).
-    assert bound.bound(1e-2, None, 0.25, 0.5) == 1e-2
-    bound.accept()
-    assert bound.smallest == 2.0
-    assert bound.bound(None, 10.0, 0.25, 0.5) is None
-    bound.accept()
-    assert bound.smallest == 1.0
 
 
 def test_batch_of_one_linear_block_is_exact_empirical_fisher():
@@ -554,10 +472,6 @@ def test_nan_gradient_skipped_when_configured():
     ({'conv_factors': 'mean'}, 'conv_factors'),
     ({'conv_factors': 'reduced', 'spatial_subsample': 2},
      "spatial_subsample must be 1 with conv_factors='reduced'"),
-    ({'kl_clip_batch': 0.5}, 'kl_clip_batch'),
-    ({'kl_clip_relative': 0.5},
-     'kl_clip_relative must be a finite real number >= 1'),
-    ({'kl_clip_relative': float('inf')}, 'kl_clip_relative must be'),
     ({'max_skipped_steps': 0}, 'max_skipped_steps'),
     ({'lr': '0.1'}, 'lr must be a real number >= 0'),
     ({'lr': None}, 'lr must be'), ({'damping': True}, 'damping must be'),
@@ -736,16 +650,14 @@ def test_forward_pass_never_backpropagated_is_named(caplog):
 
 
 def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
-    # kl_clip_follows_lr=True: at lr η_t the bound is kl_clip (η_t / η̂_t)²,
-    # η̂_t the largest of the lr it was built with and those of its steps;
-    # the guard binds here, so the step equals that of a fixed bound of
-    # kl_clip / 4 at lr η_0 / 2.
-    def step(lr, kl_clip, follows, lr_then):
+    # At lr η_t the bound is kl_clip (η_t / η̂_t)², η̂_t the largest of the
+    # lr it was built with and those of its steps; the bound binds here,
+    # so the step at η_0 / 2 equals that of kl_clip / 4 built at η_0 / 2.
+    def step(lr, kl_clip, lr_then):
         numpy.random.seed(0)
         model = place(MLP())
         opt = chainerkfac.optimizers.KFAC(
-            lr=lr, momentum=0.0, step_rule='natural', kl_clip=kl_clip,
-            kl_clip_follows_lr=follows)
+            lr=lr, momentum=0.0, step_rule='natural', kl_clip=kl_clip)
         opt.setup(model)
         opt.lr = lr_then
         observation = {}
@@ -754,14 +666,14 @@ def test_bound_following_the_learning_rate_is_kl_clip_times_its_square():
         assert observation['kfac/update_scale'] < 0.5
         return [host(p.array) for p in model.params()]
 
-    followed = step(0.5, 1e-4, True, 0.25)
-    fixed = step(0.25, 0.25e-4, False, 0.25)
+    followed = step(0.5, 1e-4, 0.25)
+    fixed = step(0.25, 0.25e-4, 0.25)
     for a, b in zip(followed, fixed):
         numpy.testing.assert_allclose(a, b, rtol=1e-12)
     # Built below the schedule's peak, the bound is kl_clip at the largest
     # lr of the run, never above: here that of its first step.
-    raised = step(0.1, 1e-4, True, 0.25)
-    plain = step(0.25, 1e-4, False, 0.25)
+    raised = step(0.1, 1e-4, 0.25)
+    plain = step(0.25, 1e-4, 0.25)
     for a, b in zip(raised, plain):
         numpy.testing.assert_allclose(a, b, rtol=1e-12)
 
@@ -773,8 +685,7 @@ def test_bound_following_the_learning_rate_resumes_with_its_peak():
         numpy.random.seed(0)
         model = place(MLP())
         opt = chainerkfac.optimizers.KFAC(
-            lr=0.1, momentum=0.0, step_rule='natural', kl_clip=1e-4,
-            kl_clip_follows_lr=True)
+            lr=0.1, momentum=0.0, step_rule='natural', kl_clip=1e-4)
         opt.setup(model)
         return model, opt
 
@@ -809,7 +720,7 @@ class Frozen(chainer.Chain):
 
 def test_frozen_layer_leaves_the_other_layers_steps_alone():
     # A link frozen with disable_update() after setup takes no step, and
-    # its sums stay out of the guard's q and the step rule: the live
+    # its sums stay out of the bound's q and the step rule: the live
     # layer moves as it does where the frozen one's weights are constants.
     numpy.random.seed(0)
     model = MLP()
@@ -827,18 +738,6 @@ def test_frozen_layer_leaves_the_other_layers_steps_alone():
     numpy.testing.assert_allclose(moved[True], moved[False], rtol=1e-10,
                                   atol=1e-13)
     assert numpy.abs(moved[True]).max() > 1e-2
-
-
-def test_backtracking_does_not_override_nonfinite_raise():
-    model = MLP()
-    opt = chainerkfac.optimizers.KFAC(backtrack=True)
-    opt.setup(model)
-    opt.update(loss_fn(model), *data())
-    x, t = data(seed=1)
-    x[0, 0] = numpy.nan
-    with pytest.raises(chainerkfac.NonFiniteError,
-                       match='non-finite training loss'):
-        opt.update(loss_fn(model), x, t)
 
 
 def test_loss_function_that_raises_leaves_no_statistics():

@@ -137,7 +137,7 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
     def frozen(self):
         """Whether every parameter's update is disabled
         (``Link.disable_update``): the block then takes no step, and its
-        sums stay out of the step rule's and the guard's."""
+        sums stay out of the step rule's and the bound's."""
         return all(p.update_rule is not None and not p.update_rule.enabled
                    for p in self.params())
 
@@ -384,21 +384,20 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         """``V = F̂⁻¹ grad`` by the block's form."""
         return self.form.apply(grad)
 
-    def precondition(self, weight_decay=0.0, last=None):
+    def precondition(self, weight_decay=0.0):
         """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
         and returns the block's sums for the step rule
-        (:func:`chainerkfac.step_rule.block_terms`; ``last`` the block's
-        previous direction, or ``None``). Before its first inverse a block
-        keeps its raw gradient (``F̂ = I``: the first three sums are
+        (:func:`chainerkfac.step_rule.block_terms`). Before its first
+        inverse a block keeps its raw gradient (``F̂ = I``: the sums are
         ``⟨∇, ∇⟩``)."""
         if not self.ready():
-            return step_rule.identity_terms(self.gradient(), last)
+            return step_rule.identity_terms(self.gradient())
         grad = self.gradient(weight_decay)
         preconditioned = self.apply_form(grad)
         # The sums before set_gradient: the gradient of a layer without a
         # bias (and without the decay term) is a view of param.grad, which
         # set_gradient overwrites with V.
-        terms = step_rule.block_terms(preconditioned, grad, last)
+        terms = step_rule.block_terms(preconditioned, grad)
         self.set_gradient(preconditioned)
         return terms
 

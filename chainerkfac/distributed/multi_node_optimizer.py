@@ -253,10 +253,6 @@ class HybridParallelStages(stages.Stages):
         with timing.timed(self.comm.stage_timer, 'communication'):
             return bool(self.comm.control_sum([not ok])[0] == 0)
 
-    def mean(self, value):
-        with timing.timed(self.comm.stage_timer, 'communication'):
-            return float(self.comm.control_sum([value])[0]) / self.comm.size
-
     # -- stages 4-6 -----------------------------------------------------------
 
     def placement(self, blocks):
@@ -283,9 +279,8 @@ class HybridParallelStages(stages.Stages):
             with optimizer.timing('inversion'):
                 self.split.share(optimizer.blocks, refreshed)
 
-    def precondition(self, optimizer, weight_decay, directions=None):
+    def precondition(self, optimizer, weight_decay):
         blocks = optimizer.blocks
-        previous = stages.previous_directions(blocks, directions)
         parts = self.split.parts
         mine = sorted(parts)
         index = {id(block): i for i, block in enumerate(blocks)}
@@ -295,24 +290,21 @@ class HybridParallelStages(stages.Stages):
             None)``."""
             i = index[id(block)]
             split = self.split.splits.get(i)
-            last = previous(block)
             if split is None:
-                return None, block.precondition(weight_decay, last)
+                return None, block.precondition(weight_decay)
             s = parts[i]
             if split.empty(s):
                 # An owner busy enough with the inverses: no part of V.
                 return None, None
-            last = None if last is None else split.part_of(last, s)
             form = self.split.part_form(block, i)
             if form is None:
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
                 part = split.part_of(block.gradient(), s)
-                return part, step_rule.identity_terms(part, last)
+                return part, step_rule.identity_terms(part)
             grad = block.gradient(weight_decay)
             part = form.apply(grad)
-            return part, step_rule.block_terms(
-                part, split.part_of(grad, s), last)
+            return part, step_rule.block_terms(part, split.part_of(grad, s))
 
         def flops(block):
             i = index[id(block)]

@@ -4,29 +4,24 @@ One step (Osawa et al. CVPR 2019, Algorithm 1, single process)::
 
     forward/backward        link hooks collect A and G on refresh steps only
     optimizer hooks 'pre'   e.g. WeightDecay, GradientClipping
-    backtracking            (optional) a step whose loss jumped is undone and
-                            skipped
     curvature               C <- d C + (1 - d) C_new; damped inverses when due
     precondition            V <- F̂⁻¹ ∇ for every supported link
-    step rule               V_b <- ρ_b V_b (by default each layer's step as
-                            long as SGD's over about the last 100 steps);
-                            the update-norm guard bounds it
+    step length             V_b <- ν ρ V_b: the natural direction with
+                            grafting's KL change, at most a fixed KL change
+                            that grows with the batch (step_rule.py)
     update rule             v <- momentum v - lr V;  w <- w + v
     optimizer hooks 'post'
 """
 import logging
-import math
 
 import chainer
 from chainer import optimizer
 from chainer.optimizers import momentum_sgd
 
-from chainerkfac import backtrack as backtrack_module
 from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
 from chainerkfac import step_rule as step_rule_module
 from chainerkfac import timing as timing_module
-from chainerkfac import update_norm
 from chainerkfac.curvature import base
 from chainerkfac.curvature import registry
 from chainerkfac.optimizers import accumulation
@@ -42,11 +37,11 @@ logger = logging.getLogger(__name__)
 _default_hyperparam = optimizer.Hyperparameter()
 _default_hyperparam.lr = 0.01
 _default_hyperparam.momentum = 0.9
-_default_hyperparam.damping = 1e-2
+_default_hyperparam.damping = 1e-3
 _default_hyperparam.cov_ema_decay = 0.95
 _default_hyperparam.weight_decay = 0.0
 _default_hyperparam.bn_damping_multiplier = 1.0
-_default_hyperparam.kl_clip = 1e-2
+_default_hyperparam.kl_clip = 5e-4
 
 
 class KFACUpdateRule(momentum_sgd.MomentumSGDRule):
@@ -67,9 +62,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
         v <- momentum v - lr ν ρ_b F̂_b⁻¹∇_b;     w <- w + v
 
-    with ``ρ_b`` the step rule's scale of block ``b``
-    (:mod:`chainerkfac.step_rule`) and ``ν`` the update-norm guard's
-    (:mod:`chainerkfac.update_norm`).
+    with ``ρ_b`` the step rule's scale of block ``b`` and ``ν`` the
+    bound's on the step's KL change (both :mod:`chainerkfac.step_rule`).
 
     Every option, its default, its formula and where it was measured to
     pay is on one page, "Hyperparameters and options" (``docs/options.md``).
@@ -90,9 +84,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                      _default_hyperparam.bn_damping_multiplier),
                  nonfinite='raise', precondition=True, spatial_subsample=1,
                  batch_subsample=1, kl_clip=_default_hyperparam.kl_clip,
-                 kl_clip_batch=64, kl_clip_relative=None,
-                 kl_clip_follows_lr=True, divergence='warn',
-                 backtrack=False, max_skipped_steps=100,
+                 divergence='warn', max_skipped_steps=100,
                  step_rule=step_rule_module.DEFAULT,
                  conv_factors='expanded',
                  independent_processes=False, inverse_delay=0,
@@ -111,18 +103,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             acc_iters=acc_iters, spatial_subsample=spatial_subsample,
             batch_subsample=batch_subsample, conv_factors=conv_factors,
             doubly_factored_from=doubly_factored_from,
-            kl_clip_batch=kl_clip_batch, kl_clip_relative=kl_clip_relative,
-            kl_clip_follows_lr=kl_clip_follows_lr, reference_lr=lr,
             max_skipped_steps=max_skipped_steps, precondition=precondition,
-            independent_processes=independent_processes, backtrack=backtrack)
+            independent_processes=independent_processes)
         self._monitor = divergence_module.DivergenceMonitor(
             self.divergence, None if not self.step_rule.chooses_update else
             'the quadratic model chooses the step, without a learning rate '
-            'or the guard: keep more damping (step_rule=QuadraticModel('
+            'or the bound: keep more damping (step_rule=QuadraticModel('
             'min_damping=1e-3)) or use the default step rule')
-        self._relative_bound = update_norm.RelativeBound()
-        self._followed_bound = update_norm.FollowedBound(self.kl_clip_lr)
-        self._backtrack = backtrack_module.Backtrack()
+        self._bound = step_rule_module.Bound(lr)
         self._skipped_in_a_row = 0
         self._last_nonfinite = None
         #: A :class:`~chainerkfac.timing.StageTimer` every step adds the
@@ -312,10 +300,6 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._stages.prepare(self)
         if self.step_rule.chooses_update:
             self.step_rule.check(self, lossfun)
-        if self.backtrack and lossfun is None:
-            raise ValueError('KFAC backtrack=True needs the training loss: '
-                             'call update(lossfun, *batch), as a Trainer\'s '
-                             'StandardUpdater does')
         # The forward pass moves BatchNorm's running averages: put them back
         # when the step is skipped or raises.
         running = [] if lossfun is None else \
@@ -356,7 +340,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
 
     def _step(self, lossfun, args, kwds, running):
         """Gradients (with ``lossfun``), the curvature and the update rule;
-        returns ``(taken, mean loss or None, the guard's scale)``."""
+        returns ``(taken, mean loss or None, the bound's scale)``."""
         mean_loss = None if lossfun is None else \
             accumulation.gradients(self, lossfun, args, kwds)
         if self._stages.broadcast_new_parameters(self):
@@ -385,9 +369,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.call_hooks('pre')
         self.t += 1
         samples = self._hook.take_batch_size() if self._hook else None
-        # A step that backtracks is skipped, as one that is not finite.
-        backtracked = self.backtrack and self._backtracks(mean_loss)
-        taken = not backtracked and self._stages.agree(
+        taken = self._stages.agree(
             self.is_safe_to_update() and self._check_finite_gradients())
         scale = None
         rule = self.step_rule if self.step_rule.chooses_update else None
@@ -401,10 +383,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if taken:
             if rule:
                 rule.choose(self, params, lossfun, args, kwds, mean_loss)
-            self._relative_bound.accept()
             for param in self.target.params():
-                if param.grad is not None and self._backtrack.count:
-                    param.grad *= self._backtrack.factor
                 param.update()
             if rule:
                 rule.after_update(self, lossfun)
@@ -413,35 +392,14 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.update_loss_scale()
         return taken, mean_loss, scale
 
-    def _backtracks(self, loss):
-        """Whether the step's loss, every process's mean, has jumped; if
-        so, sets the weights, momentum and learning rate back
-        (:mod:`chainerkfac.backtrack`) and the step rule forgets the steps
-        it undid."""
-        loss = self._stages.mean(loss)
-        if self.nonfinite == 'raise' and not math.isfinite(loss):
-            raise base.NonFiniteError(
-                'non-finite training loss ({}) at iteration {}; backtracking '
-                "undoes such steps only under nonfinite='skip'".format(
-                    loss, self.t))
-        params = list(self.target.namedparams())
-        jumped = self._backtrack.jumped(loss)
-        if jumped:
-            self._backtrack.undo(self.t, loss, params)
-            self.step_rule.forget()
-        else:
-            self._backtrack.accept(loss, params)
-        chainer.report({'kfac/backtracks': self._backtrack.count})
-        return jumped
-
     def update_curvature(self, stats, samples=None):
         """Folds statistics, refreshes due inverses, preconditions gradients.
 
         ``stats`` is ``{block: {factor: batch mean}}``; ``samples`` the
-        size of this process's batch (``None``: unknown, the guard's bound
-        is then ``kl_clip`` as given). Scales every block's preconditioned
-        gradient by ``ρ ν``; returns the guard's ``ν``. Reports the
-        ``kfac/`` values of the reporting guide.
+        size of this process's batch (``None``: unknown, the bound is then
+        ``kl_clip`` at the schedule's peak). Scales every block's
+        preconditioned gradient by ``ρ ν``; returns the bound's ``ν``.
+        Reports the ``kfac/`` values of the reporting guide.
         """
         hp = self.hyperparam
         rates = {}
@@ -453,29 +411,23 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self._stages.share_inverses(self, refreshed)
         # The scale the gradients carry (that of their backward, which a
         # manual loop may pass without loss_scaling()); the decay term must
-        # carry it too, and the guard divides it out. (A lazily initialised
+        # carry it too, and the bound divides it out. (A lazily initialised
         # link not yet called has no gradient to say it.)
         shaped = next((b for b in self.blocks if b.shaped()), None)
         scale = self._loss_scale if shaped is None \
             else shaped.gradient_loss_scale()
         with self.timing('precondition'):
             terms = self._stages.precondition(
-                self, hp.weight_decay * (scale or 1),
-                self.step_rule.directions())
+                self, hp.weight_decay * (scale or 1))
         terms, batch = self._stages.gather(self, terms, samples or 0)
         # A frozen layer takes no step: its sums would change the others'.
         terms[[i for i, b in enumerate(self.blocks) if b.frozen()]] = 0
-        self.step_rule.observe(self.blocks, hp)
         rho = self.step_rule.scales(terms)
-        kl = update_norm.kl_estimate(float(rho * rho @ terms[:, 0]), hp.lr,
-                                     scale)
+        kl = step_rule_module.kl_estimate(float(rho * rho @ terms[:, 0]),
+                                          hp.lr, scale)
         kappa = None if self.step_rule.chooses_update else \
-            self._relative_bound.bound(
-                update_norm.bound(self._followed_bound.bound(
-                    hp.kl_clip, hp.lr),
-                    batch or None, self.kl_clip_batch),
-                self.kl_clip_relative, kl, hp.lr)
-        nu = update_norm.scale(kl, kappa)
+            self._bound(hp.kl_clip, hp.lr, batch or None)
+        nu = step_rule_module.scale(kl, kappa)
         step_rule_module.rescale(self.blocks, rho * nu)
         chainer.report(dict(refresh.report(rates, refreshed), **{
             'kfac/damping': hp.damping, 'kfac/kl': kl,
@@ -516,13 +468,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                            "optimizer's?): momentum and step count loaded, "
                            'the curvature starts afresh')
             return
-        self._relative_bound.serialize(state['guard'],
-                                       self.kl_clip_relative)
-        self._followed_bound.serialize(state['guard'])
+        self._bound.serialize(state['bound'])
         self._monitor.serialize(state['divergence'])
-        if self.backtrack:
-            self._backtrack.serialize(state['backtrack'],
-                                      list(self.target.namedparams()))
         snapshot.serialize_step_rule(state, self.step_rule, self.damping,
                                      loading)
         self.serialize_checks(state['nonfinite'])

@@ -37,7 +37,7 @@ class FiniteChecks:
                 'max_skipped_steps={}'.format(
                     self._skipped_in_a_row, self.t,
                     self._last_nonfinite or 'none, another process, the '
-                    'loss scaling or backtracking skipped',
+                    'or the loss scaling skipped',
                     self.max_skipped_steps))
 
     def serialize_checks(self, serializer):
@@ -68,7 +68,7 @@ class FiniteChecks:
         overflows. Dynamic loss scaling then skips the step and halves
         ``s``, as it does for an overflowing ``∇``; a static scale raises.
         The check is of ``s V`` as written into the gradients, before the
-        update-norm guard's ``ν ≤ 1``: a step whose ``ν s V`` would have
+        bound's ``ν ≤ 1``: a step whose ``ν s V`` would have
         fitted is skipped too (conservative). Every process holds every
         preconditioned gradient after the gather, so all take the same
         decision.

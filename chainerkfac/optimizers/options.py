@@ -3,7 +3,6 @@ hyperparameters, each raising ``ValueError`` (``TypeError`` for a wrong
 kind of schedule) that names the option and what it must be."""
 import difflib
 import inspect
-import math
 import numbers
 
 from chainerkfac import schedules
@@ -53,15 +52,12 @@ def set_hyperparameters(hp, **values):
 def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
               step_rule, factor_interval, inverse_interval, inverse_delay,
               acc_iters, spatial_subsample, batch_subsample, conv_factors,
-              doubly_factored_from, kl_clip_batch, kl_clip_relative,
-              kl_clip_follows_lr, reference_lr, max_skipped_steps,
-              precondition, independent_processes, backtrack):
+              doubly_factored_from, max_skipped_steps, precondition,
+              independent_processes):
     """Checks :class:`~chainerkfac.optimizers.KFAC`'s constructor options
     and sets them, as attributes of the same names, on ``optimizer``
     (``precondition`` as ``use_kfac``; ``factor_interval=None`` is
-    :class:`~chainerkfac.schedules.Adaptive`; ``kl_clip_follows_lr=True``
-    as ``kl_clip_lr``, the learning rate ``reference_lr`` at which
-    ``kl_clip`` holds, else ``None``)."""
+    :class:`~chainerkfac.schedules.Adaptive`)."""
     optimizer.inverse = choice(inverse, INVERSES, 'inverse')
     optimizer.bn_fisher = choice(bn_fisher, BN_FISHERS, 'bn_fisher')
     optimizer.nonfinite = choice(nonfinite, NONFINITE, 'nonfinite')
@@ -80,18 +76,10 @@ def configure(optimizer, inverse, bn_fisher, nonfinite, divergence,
                                               optimizer.spatial_subsample)
     optimizer.doubly_factored_from = None if doubly_factored_from is None \
         else positive_int(doubly_factored_from, 'doubly_factored_from')
-    optimizer.kl_clip_batch = None if kl_clip_batch is None else \
-        positive_int(kl_clip_batch, 'kl_clip_batch')
-    optimizer.kl_clip_relative = None if kl_clip_relative is None else \
-        real_at_least(kl_clip_relative, 'kl_clip_relative', 1)
-    # (lr itself is checked with the hyperparameters, before this.)
-    optimizer.kl_clip_lr = float(reference_lr) if kl_clip_follows_lr \
-        else None
     optimizer.max_skipped_steps = positive_int(max_skipped_steps,
                                                'max_skipped_steps')
     optimizer.use_kfac = bool(precondition)
     optimizer.independent_processes = bool(independent_processes)
-    optimizer.backtrack = bool(backtrack)
 
 
 def block_options(optimizer):
@@ -126,7 +114,7 @@ def reject_unknown(unknown, signature_of):
 
 def check_hyperparameters(hp, when='construction'):
     """Raises ``ValueError`` naming the first hyperparameter that is not a
-    real number in its range (``kl_clip`` may be None: the guard is off).
+    real number in its range (``kl_clip`` may be None: the bound is off).
 
     Run at construction and at the start of every update, since extensions
     (``ExponentialShift``, ``LinearShift``) and users set them at run time.
@@ -172,14 +160,6 @@ def positive_int(value, what, least=1):
             or value < least):
         raise ValueError('KFAC {} must be an int >= {}, got {!r}'
                          .format(what, least, value))
-    return value
-
-
-def real_at_least(value, what, least):
-    """``value`` if it is a finite real number >= ``least``."""
-    if not (_real(value) and least <= value < math.inf):
-        raise ValueError('KFAC {} must be a finite real number >= {}, got '
-                         '{!r}'.format(what, least, value))
     return value
 
 
@@ -229,14 +209,10 @@ def option_values(optimizer):
         batch_subsample=optimizer.batch_subsample,
         conv_factors=optimizer.conv_factors,
         doubly_factored_from=optimizer.doubly_factored_from,
-        kl_clip_batch=optimizer.kl_clip_batch,
-        kl_clip_relative=optimizer.kl_clip_relative,
-        kl_clip_follows_lr=optimizer.kl_clip_lr,
         nonfinite=optimizer.nonfinite, divergence=optimizer.divergence,
         max_skipped_steps=optimizer.max_skipped_steps,
         precondition=optimizer.use_kfac, step_rule=optimizer.step_rule,
-        independent_processes=optimizer.independent_processes,
-        backtrack=optimizer.backtrack)
+        independent_processes=optimizer.independent_processes)
     return {name: option_text(value) for name, value in values.items()}
 
 

@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 #: The version of what a snapshot holds. Loading refuses any other by
 #: name: 1 (unnumbered) stored every inverse's arrays; 2 stores the kind
 #: and damping of an inverse built from the factors as they are, which
-#: loading rebuilds from them.
-FORMAT = 2
+#: loading rebuilds from them; 3 drops the state of the step rules,
+#: bounds and backtracking that are no longer.
+FORMAT = 3
 
 
 def header(rank, size, inverse, bn_fisher, blocks):
@@ -134,16 +135,13 @@ def check_header(state, mine, blocks):
 
 def serialize_step_rule(state, rule, damping, loading):
     """Saves or loads the state of ``rule``, the optimizer's
-    :class:`~chainerkfac.step_rule.StepRule` (under ``adaptive`` for a
-    rule that chooses the whole update, which also keeps the ``damping``
-    it chose; else under ``step_rule``), and its name in the header.
-    Loading a snapshot that names another rule is said: the run goes on
-    under ``rule``, whose state starts afresh where the snapshot holds
-    none of it."""
+    :class:`~chainerkfac.step_rule.StepRule` (only a rule that chooses the
+    whole update keeps any, under ``adaptive``, with the ``damping`` it
+    chose), and its name in the header. Loading a snapshot that names
+    another rule is said: the run goes on under ``rule``, whose state
+    starts afresh where the snapshot holds none of it."""
     if rule.chooses_update:
         rule.serialize(state['adaptive'], damping)
-    else:
-        rule.serialize(state['step_rule'])
     name = str(rule.name or type(rule).__name__)
     if not loading:
         state['header']('step_rule', name)

@@ -75,11 +75,6 @@ class Stages(abc.ABC):
         """Whether every process can take the step (``ok`` is local)."""
 
     @abc.abstractmethod
-    def mean(self, value):
-        """The mean of the number ``value`` over the processes (every
-        process's training loss, for :mod:`chainerkfac.backtrack`)."""
-
-    @abc.abstractmethod
     def rank_and_size(self):
         """``(rank, number of processes)`` of this process."""
 
@@ -100,14 +95,12 @@ class Stages(abc.ABC):
         preconditioning."""
 
     @abc.abstractmethod
-    def precondition(self, optimizer, weight_decay, directions=None):
+    def precondition(self, optimizer, weight_decay):
         """Replaces the gradients of the blocks (or parts of blocks) this
         process preconditions by ``V = F̂⁻¹ ∇``; returns this process's part
         of the step rule's sums, an array ``(len(optimizer.blocks),
-        step_rule.N_TERMS)`` (:func:`chainerkfac.step_rule.block_terms`,
-        with each block's previous direction in ``directions``, the step
-        rule's :meth:`~chainerkfac.step_rule.StepRule.directions`; zero
-        rows for the blocks it does not precondition)."""
+        step_rule.N_TERMS)`` (:func:`chainerkfac.step_rule.block_terms`;
+        zero rows for the blocks it does not precondition)."""
 
     @abc.abstractmethod
     def gather(self, optimizer, terms, samples):
@@ -159,9 +152,6 @@ class LocalStages(Stages):
     def agree(self, ok):
         return ok
 
-    def mean(self, value):
-        return value
-
     def rank_and_size(self):
         return 0, 1
 
@@ -174,24 +164,14 @@ class LocalStages(Stages):
     def share_inverses(self, optimizer, refreshed):
         pass
 
-    def precondition(self, optimizer, weight_decay, directions=None):
-        last = previous_directions(optimizer.blocks, directions)
+    def precondition(self, optimizer, weight_decay):
         return step_rule.stack_terms(cpu_parallel.map_blocks(
-            lambda block: block.precondition(weight_decay, last(block)),
+            lambda block: block.precondition(weight_decay),
             self.owned(optimizer.blocks),
             cpu_parallel.block_work('precondition_cost')))
 
     def gather(self, optimizer, terms, samples):
         return backend.CpuDevice().send(terms).astype(numpy.float64), samples
-
-
-def previous_directions(blocks, directions):
-    """``block -> its previous direction or None`` from the step rule's
-    ``directions`` (a list in the order of ``blocks``, or ``None``)."""
-    if directions is None or len(directions) != len(blocks):
-        return lambda block: None
-    by_block = {id(block): v for block, v in zip(blocks, directions)}
-    return lambda block: by_block[id(block)]
 
 
 def refuse_under_mpi():

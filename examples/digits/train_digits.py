@@ -39,8 +39,8 @@ SmallCNN, load_digits = _EXAMPLE.CNN, _EXAMPLE.digits
 
 OPTIMIZERS = {
     # The one-line swap: MomentumSGD's learning rate, the natural direction
-    # (step_rule 'kl_graft'); the safety bound grows with the batch
-    # (kl_clip_batch).
+    # (step_rule 'kl_graft'); the bound on the step's KL change grows like
+    # the batch (kl_clip · B / 64).
     'kfac': lambda: chainerkfac.optimizers.KFAC(lr=0.1, momentum=0.9),
     'momentum_sgd': lambda: chainer.optimizers.MomentumSGD(lr=0.1,
                                                            momentum=0.9),

@@ -185,13 +185,12 @@ SCHEMA = {
     'damping_warmup': (None, optional(section({
         'initial': positive, 'steps': integer(1)}))),
     'bn_damping_multiplier': (1.0, positive),
-    # The update-norm guard's bound (Ba et al. 2017 §5): the paper ran
+    # The bound on the step's KL change (Ba et al. 2017 §5): the paper ran
     # without it, so the configs do unless they set it.
     'kl_clip': (None, optional(positive)),
     # The paper's step is the natural-gradient step η F̂⁻¹∇, not the
     # optimizer's default (chainerkfac.step_rule).
-    'step_rule': ('natural', choice('natural', 'kl_graft', 'graft',
-                                    'graft_average')),
+    'step_rule': ('natural', choice('natural', 'kl_graft')),
     'bn_fisher': ('diagonal', choice('diagonal', 'full')),
     'inverse': ('cholesky', choice('cholesky', 'eigen')),
     'cov_ema_decay': (0.0, number(0, 1, high_open=True)),

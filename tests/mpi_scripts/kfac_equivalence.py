@@ -7,9 +7,9 @@
     ... [--device @cupy:0] [--communicator pure_nccl]
     ... [--float16] [--transport-dtype float16] [--conv-factors reduced]
     ... [--doubly-factored-from 16]   (fc1's 4 x 2 x 2 input: Ψ ⊗ K ⊗ G)
-    ... [--lr 0.05] [--backtrack]
+    ... [--lr 0.05]
 
-The update-norm guard is on, at a bound it reaches on most steps; its
+The bound on the KL change is on, at a bound it reaches on most steps; its
 scale per step is saved with the parameters (``update_scale``).
 Each rank takes its contiguous shard of every global batch, so N ranks with
 per-rank batch b see exactly the samples one process sees with batch N b.
@@ -24,8 +24,6 @@ JSON (``parts: {...}``: ranks, bounds and the form of the inverses).
 share its Cholesky factorization, so that small models take that path.
 ``--float16`` trains the CNN in float16 at a static loss scale of 1024;
 ``--transport-dtype float16`` sends factors and gradients as float16.
-``--backtrack`` turns K-FAC's backtracking on; how many times it
-backtracked is saved (``backtracks``).
 """
 import argparse
 import json
@@ -97,13 +95,11 @@ def main():
     parser.add_argument('--min-shared-dim', type=int, default=None)
     parser.add_argument('--float16', action='store_true')
     parser.add_argument('--transport-dtype', default=None)
-    parser.add_argument('--step-rule', default='graft')
+    parser.add_argument('--step-rule', default='kl_graft')
     parser.add_argument('--kl-clip', type=float, default=1e-5)
-    parser.add_argument('--kl-clip-relative', type=float, default=None)
     parser.add_argument('--conv-factors', default='expanded')
     parser.add_argument('--doubly-factored-from', type=int, default=None)
     parser.add_argument('--lr', type=float, default=0.05)
-    parser.add_argument('--backtrack', action='store_true')
     args = parser.parse_args()
     if args.min_shared_dim is not None:
         cost.SHARED_FACTORIZATION_MIN_DIM = args.min_shared_dim
@@ -120,10 +116,8 @@ def main():
             'A': schedules.Adaptive(threshold=0.3), 'G': 2},
         inverse_interval=1 if args.every_step else args.inverse_interval,
         acc_iters=args.acc_iters, kl_clip=args.kl_clip,
-        kl_clip_relative=args.kl_clip_relative,
         step_rule=args.step_rule, conv_factors=args.conv_factors,
-        doubly_factored_from=args.doubly_factored_from,
-        backtrack=args.backtrack)
+        doubly_factored_from=args.doubly_factored_from)
     if args.float16:
         optimizer.loss_scaling(scale=1024)
     rank, size = 0, 1
@@ -144,7 +138,7 @@ def main():
     optimizer.setup(model.to_device(device))
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     b = GLOBAL_BATCH // size
-    reporter, scales, fractions = chainer.Reporter(), [], []
+    reporter, scales = chainer.Reporter(), []
     for step in range(STEPS):
         rng = numpy.random.RandomState(step)
         x = rng.randn(GLOBAL_BATCH, 2, 6, 6).astype(dtype)
@@ -153,18 +147,11 @@ def main():
         with reporter.scope(observation):
             optimizer.update(model, device.send(x[rank * b:(rank + 1) * b]),
                              device.send(t[rank * b:(rank + 1) * b]))
-        # (A step that backtracked has none: NaN.)
-        scales.append(observation.get('kfac/update_scale', numpy.nan))
-        fractions.append(observation.get('kfac/signal_fraction', numpy.nan))
+        scales.append(observation['kfac/update_scale'])
     host = chainer.backend.CpuDevice().send
     params = {n: host(p.array) for n, p in model.namedparams()}
-    # The update-norm guard's scale of every step: the same on every rank.
+    # The bound's scale of every step: the same on every rank.
     params['update_scale'] = numpy.asarray(scales)
-    if not numpy.isnan(fractions).all():
-        # step_rule='noise_cap''s signal fraction (NaN before it has one).
-        params['signal_fraction'] = numpy.asarray(fractions)
-    if args.backtrack:
-        params['backtracks'] = numpy.asarray(observation['kfac/backtracks'])
     if args.batch_norm and not args.single:
         # Averaged over ranks every step: the replicas agree on them too.
         params['avg_mean'] = host(model.bn.avg_mean)
