@@ -80,8 +80,8 @@ class DivergenceMonitor:
         #: What the divergence warning advises.
         self.remedy = remedy or (
             "lower the learning rate (under the default step_rule={!r} "
-            "K-FAC's learning rate has MomentumSGD's units), or bound the "
-            'steps with kl_clip'.format(step_rule.DEFAULT))
+            "K-FAC's learning rate has MomentumSGD's units) or kl_clip, the "
+            "bound on each step's KL change".format(step_rule.DEFAULT))
         self.first_loss = None
         self.last_loss = None
         self.hard_clips = 0
