@@ -2,11 +2,12 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/call_trace.py
 
-A tiny convolution → BatchNorm → Linear classifier, one process, the
-defaults. After a few steps (so that the adaptive intervals have grown),
-``sys.setprofile`` follows one stale update (no factor due) and one
-refresh update (every factor due: ``factor_interval=1``): every Python
-call whose code lives in ``chainerkfac/``. Per update it counts the
+``models.SmallCNN`` at 4 channels (convolution → BatchNorm three times,
+then a Linear), one process, the defaults. After a few steps (so that the
+adaptive intervals have grown), ``sys.setprofile`` follows one stale
+update (no factor due) and one refresh update (every factor due:
+``factor_interval=1``): every Python call whose code lives in
+``chainerkfac/``. Per update it counts the
 library files entered, the hand-offs (a call from one library file into
 another) and the re-entries into ``optimizers/kfac.py`` (a call into it
 from another library file). Results go to
@@ -19,27 +20,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
-import chainer
-import chainer.functions as F
 import chainer.links as L
 import numpy
 
 import harness
+import models
 
 LIBRARY = os.path.dirname(os.path.abspath(chainerkfac.__file__))
 OPTIMIZER = os.path.join(LIBRARY, 'optimizers', 'kfac.py')
-
-
-class Net(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.conv = L.Convolution2D(1, 4, 3, pad=1)
-            self.bn = L.BatchNormalization(4)
-            self.fc = L.Linear(4 * 6 * 6, 3)
-
-    def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))))
 
 
 def trace(call):
@@ -74,7 +62,8 @@ def trace(call):
 
 def measure(factor_interval, warmup):
     numpy.random.seed(0)
-    model = L.Classifier(Net())
+    # Three convolution → BatchNorm layers and a Linear, 4 channels wide.
+    model = L.Classifier(models.SmallCNN(3, 1, (4, 4, 4)))
     optimizer = chainerkfac.optimizers.KFAC(lr=0.1,
                                             factor_interval=factor_interval)
     optimizer.setup(model)
