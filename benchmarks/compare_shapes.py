@@ -168,10 +168,10 @@ class UnitsProbe(chainerkfac.step_rule.Natural):
     def __init__(self):
         self.kl_graft_scales = []
 
-    def scales(self, terms):
+    def scales(self, sums):
         self.kl_graft_scales.append(float(
-            chainerkfac.step_rule.KLGraft().scales(terms)[0]))
-        return super().scales(terms)
+            chainerkfac.step_rule.KLGraft().scales(sums)[0]))
+        return super().scales(sums)
 
 
 def schedule_factor(iteration, total, warmup):

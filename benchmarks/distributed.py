@@ -12,7 +12,8 @@ and the ``'naive'`` (MPI) communicator, factors and inverses refreshed every
 ``--interval`` steps. Per step and rank it records the stages (as in
 ``step_time.py``, from the library's timing hook; communication is the
 communicator's collectives and the object collective of the step's
-agreement) and the bytes each collective handed to MPI (the
+agreement, also apart as ``control``: the messages that carry no data)
+and the bytes each collective handed to MPI (the
 optimizer reports ``comm.reset_bytes_moved()`` as ``kfac/bytes/*`` every
 step). Refresh and stale steps are reported apart; the per-rank inversion
 and preconditioning times should fall as 1/P (model parallelism).
@@ -193,8 +194,10 @@ def summarise_mpi(result):
             continue
         n = min(len(s) for s in steps)
         per = {}
-        for stage in harness.STAGES + ('total',):
+        for stage in harness.STAGES + ('total', 'control'):
             def value(rec):
+                if stage == 'control':
+                    return rec['fine'].get('communication_control', 0.0)
                 return rec['total'] if stage == 'total' else \
                     rec['stages'][stage]
             max_over_ranks = [max(value(steps[r][i]) for r in range(size))
@@ -277,10 +280,13 @@ def mpi_tables(results):
                 continue
             rows.append([str(size), kind] + [
                 '{:.4f} / {:.4f}'.format(s[st]['max'], s[st]['mean'])
-                for st in harness.STAGES + ('total',)])
+                for st in harness.STAGES + ('total', 'control')] + [
+                '{:.2%}'.format(s['control']['max'] / s['total']['max'])])
     lines.append(harness.table(rows, ['ranks', 'step'] + [
         s + ' (max / mean over ranks, s)' if s == 'forward' else s
-        for s in harness.STAGES] + ['total']))
+        for s in harness.STAGES] + [
+            'total', 'of communication: control (the ranks\' agreement)',
+            'control / total']))
     lines += ['', 'Bytes per step handed to MPI by one rank (mean over '
               'ranks), K-FAC state per rank, owned blocks:', '']
     rows = []

@@ -58,12 +58,10 @@ def widened(array):
     """``array`` in the precision K-FAC computes in: float16 becomes
     float32, any other dtype stays. Statistics, factors, inverses and the
     preconditioned gradient of a float16 (or mixed16) model are float32:
-    a convolution's bias entry of ``A`` sums ``n T`` ones (over 65,504,
-    float16's largest value, at batch 64 on 32x32 positions), and the
-    squares of loss-scaled output gradients overflow float16 from a loss
-    scale of about 256. In float32 neither comes near the range, so the
-    loss scale ``s`` can be divided out of the summed squares (by ``s²``,
-    exact for a power of two) rather than out of every gradient."""
+    a convolution's bias entry of ``A`` sums ``n T`` ones (over float16's
+    65,504 at batch 64 on 32x32 positions), and squares of loss-scaled
+    gradients overflow float16; in float32 the loss scale ``s`` can be
+    divided out of the summed squares (by ``s²``, exact)."""
     dtype = working_dtype(array.dtype)
     return array if array.dtype == dtype else array.astype(dtype)
 
@@ -124,10 +122,8 @@ def add_diagonal(M, value):
 
 
 def _cholesky(M):
-    """Lower Cholesky factor of a symmetric positive-definite ``M``.
-
-    Raises ``numpy.linalg.LinAlgError`` when ``M`` is not positive definite.
-    """
+    """Lower Cholesky factor of a symmetric positive-definite ``M``
+    (``numpy.linalg.LinAlgError`` when it is not)."""
     xp = backend.get_array_module(M)
     if xp is numpy:
         from scipy.linalg import lapack
@@ -144,10 +140,8 @@ def _cholesky(M):
 
 
 def _cholesky_inverse(M):
-    """Inverse of a symmetric positive-definite ``M`` via Cholesky.
-
-    Raises ``numpy.linalg.LinAlgError`` when ``M`` is not positive definite.
-    """
+    """Inverse of a symmetric positive-definite ``M`` via Cholesky
+    (``numpy.linalg.LinAlgError`` when it is not)."""
     xp = backend.get_array_module(M)
     if xp is numpy:
         # LAPACK potrf + potri is about 3x faster than numpy.linalg.inv on
@@ -190,10 +184,9 @@ def cholesky_panel(panel):
 
         L_jj = chol(M_jj),    L_rj = M_rj L_jj⁻ᵀ
 
-    Raises ``numpy.linalg.LinAlgError`` when ``M_jj`` is not positive
-    definite. :func:`chainerkfac.distributed.cholesky.shared_cholesky`
-    shares a factorization between ranks this way, panel by panel.
-    """
+    ``numpy.linalg.LinAlgError`` when ``M_jj`` is not positive definite
+    (:func:`chainerkfac.distributed.cholesky.shared_cholesky` shares a
+    factorization between ranks this way, panel by panel)."""
     w = panel.shape[1]
     L_jj = _cholesky(panel[:w])
     panel[:w] = L_jj
@@ -263,13 +256,10 @@ def damped_cholesky(M, damping):
     return _damped(M, damping, _cholesky)
 
 
-#: Steps after which explicit inverses of a square layer's factors
-#: (``dim A = dim G``) have paid for themselves, over three; see
-#: :func:`explicit_inverse_pays`. Measured on this project's 2-core CPU
-#: (OpenBLAS, float32): between 6.5 (all of ResNet-50 at 224x224, two BLAS
-#: threads: inverses 4.4 s more than Cholesky factors per refresh, triangular
-#: solves 0.25 s more than products per step) and about 10 (single blocks,
-#: one thread).
+#: ``C`` of :func:`explicit_inverse_pays`: three times the steps after
+#: which explicit inverses of a square layer's factors (``dim A = dim G``)
+#: have paid for themselves (measured: benchmarks/tuning_measurements.md,
+#: "The cost of a K-FAC step").
 EXPLICIT_INVERSE_BREAK_EVEN = 8
 
 
@@ -398,13 +388,9 @@ _upper_masks = {}
 
 
 def upper_mask(xp, dim, device):
-    """Boolean mask of the upper triangle (diagonal included), cached.
-
-    Boolean indexing walks the matrix in C order, so ``M[mask]`` lists the
-    upper triangle row by row. One ``dim x dim`` byte mask per size is kept
-    instead of the two ``int64`` index arrays of ``triu_indices``, which
-    are 8x larger and were rebuilt on every call.
-    """
+    """Boolean mask of the upper triangle (diagonal included), one per
+    size and device: ``M[mask]`` lists it row by row (C order), in an
+    eighth of the memory of ``triu_indices``' two index arrays."""
     key = (str(device), dim)
     mask = _upper_masks.get(key)
     if mask is None:

@@ -56,40 +56,52 @@ count in neither ``ρ`` nor ``q``.
 A block without an inverse yet has ``V_b = g_b``.
 """
 import math
+import typing
 
 from chainer import backend
 import numpy
 
-#: The per-block sums, in their order in the gathered terms.
+#: The per-block sums, in their order in a row of :func:`block_sums`.
 TERMS = ('vg', 'vv', 'gg')
 N_TERMS = len(TERMS)
 #: ``B₀``: the global batch at which the bound is ``kl_clip``.
 REFERENCE_BATCH = 64
 
 
-def block_terms(preconditioned, gradient):
+def block_sums(preconditioned, gradient):
     """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩]`` for one block (or one part of a block:
-    they add over parts), as one array of the arrays' module (read back
-    once per step, not once per block)."""
+    they add over parts), one row of the arrays' module, in the order of
+    :data:`TERMS` (read back once per step, not once per block)."""
     xp = backend.get_array_module(gradient)
     V, g = preconditioned.ravel(), gradient.ravel()
     return xp.stack([xp.vdot(V, g), xp.vdot(V, V), xp.vdot(g, g)])
 
 
-def identity_terms(gradient):
-    """:func:`block_terms` of a block without an inverse (``V = g``):
-    ``⟨g, g⟩`` three times."""
-    xp = backend.get_array_module(gradient)
-    g = gradient.ravel()
-    return xp.stack([xp.vdot(g, g)] * N_TERMS)
+class Sums(typing.NamedTuple):
+    """The per-block sums of the step over every process: NumPy vectors
+    of one entry per block."""
 
+    vg: numpy.ndarray
+    vv: numpy.ndarray
+    gg: numpy.ndarray
 
-def stack_terms(rows):
-    """The rows of :func:`block_terms` as one ``(blocks, N_TERMS)`` array
-    (a NumPy one without blocks)."""
-    if not rows:
-        return numpy.zeros((0, N_TERMS))
-    return backend.get_array_module(rows[0]).stack(rows)
+    @classmethod
+    def of(cls, rows):
+        """The sums of ``rows``, ``(blocks, N_TERMS)``, rows of
+        :func:`block_sums` (or their sums over processes)."""
+        rows = numpy.asarray(rows, dtype=numpy.float64)
+        return cls(*rows.reshape(-1, N_TERMS).T.copy())
+
+    def without(self, indices):
+        """The sums with the blocks at ``indices`` zero (a frozen block
+        takes no step, so its sums count in neither ``ρ`` nor ``q``)."""
+        indices = list(indices)
+
+        def cleared(vector):
+            vector = vector.copy()
+            vector[indices] = 0
+            return vector
+        return Sums(*map(cleared, self))
 
 
 def rescale(blocks, scales):
@@ -122,9 +134,9 @@ class StepRule:
     #: rule's ``α`` would undo it).
     chooses_update = False
 
-    def scales(self, terms):
-        """``ρ`` per block (a NumPy vector) from ``terms``, a NumPy array
-        ``(blocks, N_TERMS)`` of the sums over every process."""
+    def scales(self, sums):
+        """``ρ`` per block (a NumPy vector) from the :class:`Sums` over
+        every process."""
         raise NotImplementedError
 
     def __repr__(self):
@@ -136,8 +148,8 @@ class Natural(StepRule):
 
     name = 'natural'
 
-    def scales(self, terms):
-        return numpy.ones(len(terms))
+    def scales(self, sums):
+        return numpy.ones(len(sums.vg))
 
 
 def grafted(vv, gg):
@@ -155,20 +167,19 @@ class KLGraft(StepRule):
 
     name = 'kl_graft'
 
-    def scales(self, terms):
-        vg = terms[:, 0]
-        total = vg.sum()
+    def scales(self, sums):
+        total = sums.vg.sum()
         if not total > 0:
-            return numpy.ones(len(terms))
-        rho = grafted(terms[:, 1], terms[:, 2])
-        return numpy.full(len(terms),
-                          numpy.sqrt((rho ** 2 * vg).sum() / total))
+            return numpy.ones(len(sums.vg))
+        rho = grafted(sums.vv, sums.gg)
+        return numpy.full(len(sums.vg),
+                          numpy.sqrt((rho ** 2 * sums.vg).sum() / total))
 
 
-def kl_estimate(inner_sum, lr, loss_scale=None):
-    """``q = η² Σ_b ρ_b² ⟨V_b, g_b⟩ / s²`` from the summed, scaled inner
-    products ``inner_sum``."""
-    q = lr * lr * float(inner_sum)
+def kl_estimate(rho, sums, lr, loss_scale=None):
+    """``q = η² Σ_b ρ_b² ⟨V_b, g_b⟩ / s²`` from the scales ``rho`` and the
+    :class:`Sums`."""
+    q = lr * lr * float(rho * rho @ sums.vg)
     if loss_scale is not None:
         q /= loss_scale * loss_scale
     return q
@@ -180,6 +191,31 @@ def scale(q, bound):
     if bound is None or not q > 0:
         return 1.0
     return min(1.0, math.sqrt(bound / q))
+
+
+class Length(typing.NamedTuple):
+    """The step's length: every block's step is ``−η ν ρ_b V_b``."""
+
+    #: ``ρ``, the rule's scale per block.
+    rho: numpy.ndarray
+    #: ``ν``, the bound's.
+    nu: float
+    #: ``q``, the KL estimate of the step before ``ν``.
+    kl: float
+
+    def report(self):
+        """The ``kfac/`` values of the reporting guide it gives."""
+        return {'kfac/kl': self.kl, 'kfac/update_scale': self.nu,
+                'kfac/step_scale': typical(self.rho)}
+
+
+def length(rule, sums, lr, bound, loss_scale=None):
+    """The :class:`Length` of the step by ``rule`` from the :class:`Sums`
+    ``sums`` at learning rate ``lr`` and bound ``κ_t`` ``bound`` (``None``:
+    off), the gradients carrying ``loss_scale``."""
+    rho = rule.scales(sums)
+    q = kl_estimate(rho, sums, lr, loss_scale)
+    return Length(rho, scale(q, bound), q)
 
 
 class Bound:

@@ -18,7 +18,9 @@ for ``statistics_forward`` only, a collective inside a refresh for
                            timed with :meth:`StageTimer.enter`)
     statistics             the hooks on the forward and backward passes,
                            batch means and the exponential average
-    communication          the K-FAC communicator's collectives
+    communication          the K-FAC communicator's collectives (the
+                           messages that carry no data, the ranks'
+                           agreement on the step, as ``communication_control``)
     inversion              building inverse forms (and split blocks'
                            parts and shared factorizations)
     precondition           V = F̂⁻¹ ∇ and the step rule's sums
@@ -46,6 +48,7 @@ FINE = {
     'statistics_forward': 'statistics',
     'statistics_backward': 'statistics',
     'statistics_fold': 'statistics',
+    'communication_control': 'communication',
 }
 
 _UNTIMED = contextlib.nullcontext()

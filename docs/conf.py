@@ -28,7 +28,7 @@ extensions = [
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
 root_doc = 'index'
-# docs/examples holds runnable scripts shown with literalinclude.
+# docs/examples holds the runnable scripts getting_started.md shows in full.
 exclude_patterns = ['_build', 'examples', 'Thumbs.db', '.DS_Store']
 templates_path = []
 

@@ -360,6 +360,17 @@ def test_stated_outputs():
 
 # -- the complete examples ----------------------------------------------------
 
+def test_getting_started_shows_the_examples_as_they_are():
+    # The page shows each example in full, readable outside Sphinx; the
+    # files are what the tests below run.
+    shown = {reason.split()[0]: code for _, code, reason
+             in code_blocks('getting_started.md') if reason}
+    for path in (SINGLE_EXAMPLE, MPI_EXAMPLE):
+        with open(path, encoding='utf-8') as f:
+            assert shown[os.path.relpath(path, os.path.dirname(DOCS))] \
+                == f.read().rstrip('\n'), path
+
+
 def test_single_process_example(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / 'digits')
     monkeypatch.setattr(sys, 'argv', [SINGLE_EXAMPLE, '--epochs', '2',

@@ -117,26 +117,29 @@ def test_schedule_extensions_change_the_step():
 def test_rule_scales_from_sums():
     # kl_graft: one ρ² = Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
     # for every block, a zero V counting with ρ_b = 1; natural: 1.
-    terms = numpy.array([[2.0, 4.0, 9.0], [0.0, 0.0, 0.0], [3.0, 1.0, 4.0]])
+    sums = step_rule.Sums.of([[2.0, 4.0, 9.0], [0.0, 0.0, 0.0],
+                              [3.0, 1.0, 4.0]])
     rho2 = (9 / 4 * 2 + 4 / 1 * 3) / 5
-    numpy.testing.assert_allclose(step_rule.KLGraft().scales(terms),
+    numpy.testing.assert_allclose(step_rule.KLGraft().scales(sums),
                                   [numpy.sqrt(rho2)] * 3, rtol=1e-14)
-    assert list(step_rule.KLGraft().scales(terms[1:2])) == [1.0]
-    assert list(step_rule.Natural().scales(terms)) == [1.0] * 3
+    assert list(step_rule.KLGraft().scales(sums.without([0, 2]))) == \
+        [1.0] * 3
+    assert list(step_rule.Natural().scales(sums)) == [1.0] * 3
+    # q = η² Σ_b ρ_b² ⟨V_b, g_b⟩ / s²
+    assert step_rule.kl_estimate(numpy.array([1.0, 5.0, 2.0]), sums, 0.1,
+                                 loss_scale=2.0) == \
+        pytest.approx(0.01 * (2.0 + 4 * 3.0) / 4, rel=1e-14)
 
 
 def test_block_sums():
-    # [⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩]; ⟨g, g⟩ three times without an inverse.
+    # [⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩], whose rows add up over processes.
     rng = numpy.random.RandomState(0)
     V, g = (rng.normal(size=(2, 3)) for _ in range(2))
-    terms = step_rule.stack_terms([step_rule.block_terms(v, gb)
-                                   for v, gb in zip(V, g)])
+    sums = step_rule.Sums.of(numpy.stack(
+        [step_rule.block_sums(v, gb) for v, gb in zip(V, g)]))
     numpy.testing.assert_allclose(
-        terms, [[v @ gb, v @ v, gb @ gb] for v, gb in zip(V, g)],
-        rtol=1e-14)
-    ident = step_rule.stack_terms([step_rule.identity_terms(gb) for gb in g])
-    numpy.testing.assert_allclose(
-        ident, [[gb @ gb] * 3 for gb in g], rtol=1e-14)
+        numpy.stack(sums, axis=1),
+        [[v @ gb, v @ v, gb @ gb] for v, gb in zip(V, g)], rtol=1e-14)
 
 
 def test_step_rule_option_is_checked_and_shown():

@@ -7,7 +7,8 @@ One block per supported link owns all K-FAC state of that link::
     optimizer:  take_statistics()      -> batch means of the due factors
                 update_factors(step)   -> C <- d C + (1 - d) C_new
                 update_inverse(step)   -> form = family.build(factors, ε)
-                precondition()         -> param.grad <- form.apply(∇)
+                direction()            -> (form.apply(∇), ∇)
+                set_gradient(V)        -> param.grad <- V
 
 Damping is applied only when building the inverse form
 (:mod:`chainerkfac.curvature.forms`; the formulas in
@@ -21,7 +22,6 @@ from chainer import backend
 
 from chainerkfac import background
 from chainerkfac import schedules
-from chainerkfac import step_rule
 from chainerkfac.curvature import block_state
 from chainerkfac.curvature import cost
 from chainerkfac.curvature import families
@@ -128,16 +128,14 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         raise NotImplementedError
 
     def shaped(self):
-        """Whether the block's parameters exist: a lazily initialised link
-        (``L.Linear(None, n)``) gets them at its first forward pass, and
-        until then the block holds no curvature, its gradient is empty
-        and it costs nothing."""
+        """Whether the block's parameters exist (a lazily initialised link
+        gets them at its first forward pass; until then the block holds
+        nothing and costs nothing)."""
         return all(p.array is not None for p in self.params())
 
     def frozen(self):
         """Whether every parameter's update is disabled
-        (``Link.disable_update``): the block then takes no step, and its
-        sums stay out of the step rule's and the bound's."""
+        (``Link.disable_update``): the block takes no step."""
         return all(p.update_rule is not None and not p.update_rule.enabled
                    for p in self.params())
 
@@ -154,29 +152,22 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         return [f for f in self.factors if self.schedules[f].due(step)]
 
     def forward_statistics(self, x, wanted):
-        """Accumulates forward statistics of input ``x``.
-
-        Returns a context for :meth:`backward_statistics`, or ``None`` when
-        no backward statistics are wanted.
-        """
+        """Accumulates forward statistics of input ``x``; returns a context
+        for :meth:`backward_statistics` (``None``: none wanted)."""
         raise NotImplementedError
 
     def backward_statistics(self, context, gy, node):
-        """Accumulates backward statistics of the output gradient ``gy``.
-
-        ``node`` is the function node that computed the link's output, so
-        a block can reuse what its forward computed (BatchNormalization's
-        batch moments).
-        """
+        """Accumulates backward statistics of the output gradient ``gy``;
+        ``node``, the function node of the link's output, holds what its
+        forward computed (BatchNormalization's batch moments)."""
         raise NotImplementedError
 
     def gradient_loss_scale(self):
         """The loss scale the block's gradients (and so its backward
         statistics) were computed with, or ``None``: what ``backward``
-        recorded on the parameters, which may differ from the optimizer's
-        (a manual loop's ``loss.backward(loss_scale=s)``). Chainer keeps it
-        on the parameter only, as a private attribute, which its own update
-        rules read the same way."""
+        recorded on the parameters (a manual loop's
+        ``loss.backward(loss_scale=s)`` too), in the private attribute
+        Chainer's own update rules read."""
         return self.params()[0]._loss_scale
 
     # -- factors and inverses (called by the optimizer) ------------------
@@ -286,17 +277,11 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
     def inverse_reuse(self, step=None):
         """Steps an inverse computed at ``step`` is expected to serve: the
         inverse interval, or the shortest factor interval if longer (an
-        inverse is only recomputed after a factor changed).
-
-        ``step=None`` asks about the first iteration of a fresh run, which
-        depends on the interval options alone, not on the schedules' state.
-        """
-        if step is None:
-            def interval(schedule):
-                return schedule.initial_interval()
-        else:
-            def interval(schedule):
-                return schedule.current_interval(step)
+        inverse is only recomputed after a factor changed); ``step=None``:
+        the first iteration of a fresh run (the options alone)."""
+        def interval(schedule):
+            return schedule.initial_interval() if step is None else \
+                schedule.current_interval(step)
         return max([interval(self.inverse_schedule)]
                    + [min(interval(self.schedules[f])
                           for f in self.factors)])
@@ -322,7 +307,7 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         return False
 
     def ready(self):
-        """Whether an inverse exists, i.e. the block can precondition."""
+        """Whether an inverse exists: the block can precondition."""
         return self.form is not None
 
     def holds_curvature(self):
@@ -334,10 +319,8 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
     def clear_curvature(self):
         """Drops the factors and the inverse, as a process that does not
         own the block holds none (after they moved to their owner). The
-        statistics of the current step stay: every process collects them
-        for every block, and a snapshot resumed on another number of
-        processes moves curvature after the first backward, which may
-        have collected some."""
+        current step's statistics stay: every process collects them for
+        every block (a resume moves curvature after the first backward)."""
         self.factor = dict.fromkeys(self.factors)
         self._sum = {f: self._sum[f] if self._count[f] else None
                      for f in self.factors}
@@ -377,29 +360,24 @@ class FisherBlock(statistics.StatisticsSums, block_state.SnapshotState):
         :meth:`keeps_rows`)."""
 
     def clear_rows(self):
-        """Drops the rows kept since the last step (see
-        :meth:`keeps_rows`)."""
+        """Drops the rows kept since the last step."""
 
     def apply_form(self, grad):
         """``V = F̂⁻¹ grad`` by the block's form."""
         return self.form.apply(grad)
 
-    def precondition(self, weight_decay=0.0):
-        """Replaces the gradients of the block's parameters by ``V = F̂⁻¹ ∇``
-        and returns the block's sums for the step rule
-        (:func:`chainerkfac.step_rule.block_terms`). Before its first
-        inverse a block keeps its raw gradient (``F̂ = I``: the sums are
-        ``⟨∇, ∇⟩``)."""
+    def direction(self, weight_decay=0.0):
+        """``(V, ∇)``: the preconditioned gradient ``V = F̂⁻¹ ∇`` and the
+        gradient ``∇`` it came from (``weight_decay``'s term included), as
+        :meth:`gradient` lays them out; :meth:`set_gradient` then puts
+        ``V`` in the parameters' gradients. Before its first inverse a
+        block keeps its raw gradient (``F̂ = I``): ``V`` is ``∇``, without
+        the decay term."""
         if not self.ready():
-            return step_rule.identity_terms(self.gradient())
+            grad = self.gradient()
+            return grad, grad
         grad = self.gradient(weight_decay)
-        preconditioned = self.apply_form(grad)
-        # The sums before set_gradient: the gradient of a layer without a
-        # bias (and without the decay term) is a view of param.grad, which
-        # set_gradient overwrites with V.
-        terms = step_rule.block_terms(preconditioned, grad)
-        self.set_gradient(preconditioned)
-        return terms
+        return self.apply_form(grad), grad
 
     # -- description and serialisation -----------------------------------
 

@@ -56,6 +56,13 @@ class StepWork:
         return self.stale / self.passes, self.refresh / self.passes
 
 
+def total(works):
+    """The sum of the :class:`StepWork` of ``works`` that are not ``None``
+    (``None`` if none is)."""
+    known = [work for work in works if work is not None]
+    return sum(known[1:], known[0]) if known else None
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
     """What the cost model needs to know about one curvature block.

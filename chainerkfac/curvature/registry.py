@@ -10,8 +10,10 @@ link are served by its block (unless registered themselves).
 """
 import chainer.links as L
 
+from chainerkfac.curvature import base
 from chainerkfac.curvature import batch_normalization
 from chainerkfac.curvature import convolution_2d
+from chainerkfac.curvature import cost
 from chainerkfac.curvature import linear
 
 _blocks = {}
@@ -67,13 +69,40 @@ register(L.DilatedConvolution2D, convolution_2d.Convolution2DBlock)
 register(L.BatchNormalization, batch_normalization.BatchNormalizationBlock)
 
 
-def coverage(model, blocks, unsupported, placement=None, notes=None):
+def gradient_loss_scale(blocks, default=None):
+    """The loss scale the gradients of ``blocks`` carry (that of their
+    backward, which a manual loop may pass without Chainer's
+    ``loss_scaling()``), from the first block with a shape; ``default``
+    where none has one (a lazily initialised link not yet called has no
+    gradient to say it)."""
+    shaped = next((block for block in blocks if block.shaped()), None)
+    return default if shaped is None else shaped.gradient_loss_scale()
+
+
+def warn_unsupported(unsupported):
+    """Names on :data:`chainerkfac.curvature.base.fallback_logger` each
+    link of ``unsupported`` (``(name, reason)`` pairs of
+    :func:`blocks_of`), whose parameters follow momentum SGD."""
+    if unsupported:
+        base.fallback_logger.warning(
+            'KFAC: %d link(s) without curvature follow momentum SGD: %s',
+            len(unsupported), '; '.join('{} ({})'.format(name, reason)
+                                        for name, reason in unsupported))
+
+
+def coverage(model, blocks, unsupported, placement=None, works=None):
     """The lines of a table of what updates each link of ``model``: each
-    of ``blocks`` (with ``notes[i]`` if given and not ``None``, and the
-    rank that owns it, ``placement[i]``, in a distributed run), each
-    link of ``unsupported`` (``(name, reason)`` pairs: momentum SGD), the
-    other parameters that momentum SGD updates, and those nothing updates
-    (added after setup)."""
+    of ``blocks`` (with its estimated work over its passes, from
+    ``works[i]``, a :class:`~chainerkfac.curvature.cost.StepWork` or
+    ``None``, and the rank that owns it, ``placement[i]``, in a distributed
+    run), each link of ``unsupported`` (``(name, reason)`` pairs: momentum
+    SGD), the other parameters that momentum SGD updates, those nothing
+    updates (added after setup), and the whole model's work."""
+    works = works or [None] * len(blocks)
+    ratios = [work and work.ratios() for work in works]
+    notes = [None if r is None else
+             'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(*r)
+             for r in ratios]
     covered = {id(p) for b in blocks for p in b.params()}
     params = list(model.namedparams(include_uninit=True))
     # A parameter added after setup has no update rule: nothing updates
@@ -83,7 +112,7 @@ def coverage(model, blocks, unsupported, placement=None, notes=None):
            if id(p) not in covered and p.update_rule is not None]
     rows = [(b.name, '; '.join(
         [b.describe()]
-        + ([] if notes is None or notes[i] is None else [notes[i]])
+        + ([] if notes[i] is None else [notes[i]])
         + ([] if placement is None else [placement[i]])))
         for i, b in enumerate(blocks)]
     rows += [(name, 'momentum SGD: {}'.format(reason))
@@ -95,4 +124,11 @@ def coverage(model, blocks, unsupported, placement=None, notes=None):
     if frozen:
         lines.append('  not updated (added after setup; call setup again): '
                      '{}'.format(', '.join(frozen)))
+    whole = cost.total(works)
+    if whole is not None and whole.ratios() is not None:
+        lines.append(
+            '  K-FAC\'s work per step, estimated at the last training '
+            "pass's batch, over the K-FAC layers' forward and backward "
+            'passes: stale step {:.2f}x, refresh step {:.2f}x'.format(
+                *whole.ratios()))
     return lines

@@ -24,12 +24,10 @@ Osawa et al. (CVPR 2019, §3.3, Fig. 1):
   deadline after which the ranks that did not send theirs are named
   (:mod:`chainerkfac.distributed.arrival`) instead of waited for.
 
-Together the two ``v`` collectives move what one allreduce moves (an
-allreduce is a reduce-scatter followed by an all-gather), which is why the
-paper's K-FAC communicates about as much as SGD; the original implementation
-emulated both with allreduces, at twice the bandwidth. Here they are the real
-``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` (``'naive'``, NumPy buffers) or
-grouped NCCL reduces / broadcasts (``'pure_nccl'``, CuPy buffers).
+Together the two ``v`` collectives move what one allreduce moves (a
+reduce-scatter and an all-gather), so K-FAC communicates about as much as
+SGD: the real ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` (``'naive'``,
+NumPy buffers) or grouped NCCL reduces / broadcasts (``'pure_nccl'``).
 
 This module holds what every implementation shares; it imports neither MPI
 nor CuPy. :func:`chainerkfac.distributed.create_communicator` (in the
@@ -80,13 +78,10 @@ class KfacCommunicatorMixin(abc.ABC):
     input. With one process every collective is a copy or nothing, without
     a call to MPI or NCCL, so a single-process run takes the same code path.
 
-    Every collective adds the bytes it hands to MPI or NCCL on this rank (the
-    payload, in the transport dtype) to :attr:`bytes_moved`, under its
-    collective's name; with one process nothing is added. A ring algorithm
-    sends ``(N - 1) / N`` times the payload per rank for a reduce-scatter,
-    all-gather or broadcast and twice that for an allreduce. Object
-    collectives (``bcast_obj``, ...) and ChainerMN's experimental array
-    primitives (``allreduce``, ``bcast``, ...) are not counted.
+    Every collective adds the bytes it hands to MPI or NCCL on this rank
+    (the payload, in the transport dtype) to :attr:`bytes_moved`, under its
+    collective's name (nothing with one process; object collectives and
+    ChainerMN's experimental array primitives are not counted).
     """
 
     #: A :class:`~chainerkfac.timing.StageTimer` the collectives add their

@@ -88,7 +88,8 @@ def check_same_step(comm, optimizer, deadline):
     to rank 0 and back an update (:meth:`KfacCommunicatorMixin.arrive
     <chainerkfac.distributed.KfacCommunicatorMixin.arrive>`); raises
     ``ValueError`` naming each rank's iteration otherwise."""
-    with timing.timed(comm.stage_timer, 'communication'):
+    with timing.timed(comm.stage_timer,
+                      'communication_control'):
         states = comm.arrive((optimizer.t, optimizer.resuming), deadline,
                              'K-FAC iteration {}'.format(optimizer.t + 1))
     if len(set(states)) == 1:

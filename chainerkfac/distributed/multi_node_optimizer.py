@@ -152,47 +152,12 @@ class HybridParallelStages(stages.Stages):
     # -- resuming -----------------------------------------------------------
 
     def redistribute(self, optimizer, resume):
-        """Checks that the processes together loaded every file, then
-        moves every block's curvature from the process that loaded it to
-        its owner in this run's placement, one object message per moved
-        block, in block order on every rank. On as many processes it is
-        usually where it was saved; a lazily initialised layer that got its
-        shape after the snapshot's placement can move blocks. Processes
-        that loaded a block they do not own drop it, and the owner of a
-        block this placement splits holds its inverse in the kind the
-        split needs (:meth:`Split.adopt
-        <chainerkfac.distributed.split.Split.adopt>`)."""
+        """:func:`chainerkfac.optimizers.snapshot.redistribute` in this
+        run's placement."""
         if self.assignment is None:
             self._assign(optimizer)
-        blocks = optimizer.blocks
-        mine = [i for i, block in enumerate(blocks)
-                if block.name in resume.held and block.holds_curvature()]
-        everyone = self.comm.bcast_obj(self.comm.gather_obj(
-            (sorted(resume.loaded), mine)))
-        resume.check_complete({r for loaded, _ in everyone for r in loaded})
-        holders = {}
-        for rank, (_, held) in enumerate(everyone):
-            for i in held:
-                holders.setdefault(i, rank)
-        rank = self.comm.rank
-        for i, holder in sorted(holders.items()):
-            owner = self.assignment.owners[i]
-            if holder == owner:
-                continue
-            if rank == holder:
-                self.comm.send_obj(snapshot.block_state(blocks[i]), owner)
-            elif rank == owner:
-                snapshot.load_block_state(blocks[i],
-                                          self.comm.recv_obj(holder))
-        for i in mine:
-            if self.assignment.owners[i] != rank:
-                blocks[i].clear_curvature()
-        for i, split in self.split.splits.items():
-            if self.assignment.owners[i] == rank and blocks[i].ready():
-                blocks[i].form = split.adopt(blocks[i].form)
-        logger.info('rank %d: K-FAC curvature of a snapshot of %d '
-                    'process(es) placed on %d', rank, resume.saved_size,
-                    self.comm.size)
+        snapshot.redistribute(self.comm, self.assignment, self.split,
+                              optimizer.blocks, resume)
 
     # -- stage 3 ------------------------------------------------------------
 
@@ -250,7 +215,8 @@ class HybridParallelStages(stages.Stages):
         return self._layout.unpack_reduce(blocks, mine, self.split.parts)
 
     def agree(self, ok):
-        with timing.timed(self.comm.stage_timer, 'communication'):
+        with timing.timed(self.comm.stage_timer,
+                          'communication_control'):
             return bool(self.comm.control_sum([not ok])[0] == 0)
 
     # -- stages 4-6 -----------------------------------------------------------
@@ -291,7 +257,7 @@ class HybridParallelStages(stages.Stages):
             i = index[id(block)]
             split = self.split.splits.get(i)
             if split is None:
-                return None, block.precondition(weight_decay)
+                return None, stages.precondition(block, weight_decay)
             s = parts[i]
             if split.empty(s):
                 # An owner busy enough with the inverses: no part of V.
@@ -301,10 +267,10 @@ class HybridParallelStages(stages.Stages):
                 # As an unsplit block before its first inverse: the raw
                 # gradient, without the weight-decay term.
                 part = split.part_of(block.gradient(), s)
-                return part, step_rule.identity_terms(part)
+                return part, step_rule.block_sums(part, part)
             grad = block.gradient(weight_decay)
             part = form.apply(grad)
-            return part, step_rule.block_terms(part, split.part_of(grad, s))
+            return part, step_rule.block_sums(part, split.part_of(grad, s))
 
         def flops(block):
             i = index[id(block)]
@@ -319,7 +285,7 @@ class HybridParallelStages(stages.Stages):
         # whose part is empty.
         rows = [(i, terms) for i, (_, terms) in zip(mine, results)
                 if terms is not None]
-        local = step_rule.stack_terms([terms for _, terms in rows])
+        local = stages.stack([terms for _, terms in rows])
         xp = backend.get_array_module(local)
         everyone = xp.zeros((len(blocks), step_rule.N_TERMS),
                             dtype=local.dtype)

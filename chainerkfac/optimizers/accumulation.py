@@ -1,5 +1,8 @@
 """The gradients of a step: one batch as ``acc_iters`` micro-batches
 (gradient accumulation), their gradients averaged."""
+import logging
+
+logger = logging.getLogger(__name__)
 
 
 def micro_batches(args, kwds, k):
@@ -48,3 +51,18 @@ def gradients(optimizer, lossfun, args, kwds):
         for block in optimizer.blocks:
             block.scale_rows(1 / optimizer.acc_iters)
     return float(sum(losses)) / len(losses)
+
+
+def again(optimizer, lossfun, args, kwds):
+    """:func:`gradients` once more, after lazily initialised links got rank
+    0's first weights past this step's backward; ``None`` without
+    ``lossfun`` (the step is skipped, with a warning): the gradients came
+    from each rank's own weights."""
+    if lossfun is None:
+        logger.warning(
+            'iteration %d skipped: lazily initialised links got rank 0\'s '
+            "first weights after this step's backward, whose gradients "
+            "came from each rank's own; update(lossfun, *batch) computes "
+            'them again instead', optimizer.t + 1)
+        return None
+    return gradients(optimizer, lossfun, args, kwds)

@@ -22,7 +22,7 @@ from chainerkfac import divergence as divergence_module
 from chainerkfac import hooks
 from chainerkfac import step_rule as step_rule_module
 from chainerkfac import timing as timing_module
-from chainerkfac.curvature import base
+from chainerkfac.curvature import cost
 from chainerkfac.curvature import registry
 from chainerkfac.optimizers import accumulation
 from chainerkfac.optimizers import nonfinite
@@ -65,12 +65,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
     with ``ρ_b`` the step rule's scale of block ``b`` and ``ν`` the
     bound's on the step's KL change (both :mod:`chainerkfac.step_rule`).
 
-    Every option, its default, its formula and where it was measured to
-    pay is on one page, "Hyperparameters and options" (``docs/options.md``).
-    A misspelt option raises ``TypeError`` naming the nearest one
-    (``dampening`` → ``damping``), and the names other K-FAC libraries use
-    (``learning_rate``, ``factor_decay``, ``inv_update_steps``, ...) name
-    this one's.
+    Every option, its default and its formula: "Hyperparameters and
+    options" (``docs/options.md``). A misspelt option, or another K-FAC
+    library's name for one, raises ``TypeError`` naming this one's.
     """
 
     def __init__(self, lr=_default_hyperparam.lr,
@@ -139,10 +136,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         return self.t + 1
 
     def _rows_wanted(self):
-        """Whether the step's Linear layers may precondition from their
-        batch's rows (:mod:`chainerkfac.curvature.low_rank`): where those
-        rows are the whole gradient, in one process, without pre-update
-        optimizer hooks or ``weight_decay``, which add to it."""
+        """Whether Linear layers may precondition from their batch's rows
+        (:mod:`chainerkfac.curvature.low_rank`): where the rows are the
+        whole gradient (no hooks or decay add to it), in one process."""
         return (not self.hyperparam.weight_decay
                 and not self._hookable._pre_update_hooks
                 and self._stages.rank_and_size()[1] == 1)
@@ -162,9 +158,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         """Names of the pre-update optimizer hooks that need every gradient
         at once (``GradientClipping``), not one parameter at a time."""
         # Chainer keeps hooks in a private registry and offers no way to
-        # list them: read here, in the optimizer, and nowhere else.
-        return [name for name, hook in self._hookable._pre_update_hooks
-                .items() if not getattr(hook, 'call_for_each_param', False)]
+        # list them: read here, in the optimizer, and in options.
+        return options.whole_model_hooks(self._hookable)
 
     # -- set-up -------------------------------------------------------------
 
@@ -188,25 +183,20 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
                 block.link.delete_hook(self._hook.name)
             block.link.add_hook(self._hook)
         self._stages.setup(self)
-        if self._unsupported and self._stages.rank_and_size()[0] == 0:
-            base.fallback_logger.warning(
-                'KFAC: %d link(s) without curvature follow momentum SGD: %s',
-                len(self._unsupported), '; '.join(
-                    '{} ({})'.format(name, reason)
-                    for name, reason in self._unsupported))
+        if self._stages.rank_and_size()[0] == 0:
+            registry.warn_unsupported(self._unsupported)
         logger.info('%s', self.describe())
         return self
 
     @property
     def resuming(self):
-        """Whether a snapshot was loaded since the last update (the next
-        one moves its curvature to this run's owners)."""
+        """Whether a snapshot was loaded since the last update."""
         return self._resume is not None
 
     @property
     def stages(self):
-        """The :class:`~chainerkfac.optimizers.stages.Stages` the step runs
-        through (read-only; :meth:`use_stages` replaces them)."""
+        """The :class:`~chainerkfac.optimizers.stages.Stages` of the step
+        (:meth:`use_stages` replaces them)."""
         return self._stages
 
     def use_stages(self, stages):
@@ -217,70 +207,39 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             stages.setup(self)
 
     def describe(self):
-        """A table of which links get K-FAC and which get momentum SGD, and,
-        in a distributed run, which rank owns each K-FAC link. After a
-        training pass, each K-FAC layer's estimated work on a stale step
-        and on a refresh step, over its forward and backward passes
-        (:meth:`FisherBlock.step_work
-        <chainerkfac.curvature.base.FisherBlock.step_work>`), and the
-        model's."""
+        """A table of which links get K-FAC and which momentum SGD, which
+        rank owns each K-FAC link in a distributed run, and, after a
+        training pass, the estimated work of each layer and of the model
+        (:func:`chainerkfac.curvature.registry.coverage`)."""
         self._check_set_up()
         header = ('KFAC ({} step, {} inverse, {} BatchNorm Fisher): {} '
                   'blocks'.format(self.step_rule.name, self.inverse,
                                   self.bn_fisher, len(self.blocks)))
-        works = self._block_work()
-        ratios = [work and work.ratios() for work in works]
-        notes = [None if r is None else
-                 'work: stale {:.2f}x, refresh {:.2f}x its passes'.format(*r)
-                 for r in ratios]
-        lines = [header] + registry.coverage(
+        return '\n'.join([header] + registry.coverage(
             self.target, self.blocks, self._unsupported,
-            self._stages.placement(self.blocks), notes)
-        total = _total(works)
-        if total is not None and total.ratios() is not None:
-            lines.append(
-                '  K-FAC\'s work per step, estimated at the last training '
-                "pass's batch, over the K-FAC layers' forward and backward "
-                'passes: stale step {:.2f}x, refresh step {:.2f}x'.format(
-                    *total.ratios()))
-        return '\n'.join(lines)
+            self._stages.placement(self.blocks), self._block_work()))
 
     def _block_work(self):
         return [block.step_work(self.acc_iters, self._rows_wanted())
                 for block in self.blocks]
 
     def work_estimate(self):
-        """The model's :class:`~chainerkfac.curvature.cost.StepWork`: the
-        cost model's operations of the K-FAC layers' forward and backward
-        passes and of K-FAC's stale and refresh steps, at the last
-        training pass's batch (``None`` before one)."""
-        return _total(self._block_work())
+        """The model's :class:`~chainerkfac.curvature.cost.StepWork` at the
+        last training pass's batch (``None`` before one)."""
+        return cost.total(self._block_work())
 
     def hook_descriptions(self):
         """``'name (timing): attribute=value, ...'`` of every optimizer
         hook, in the order they run, alike where two processes added the
         same hooks with the same settings."""
-        # Chainer's private registry, as in whole_model_hooks.
-        hookable = self._hookable
-        if hookable is None:
-            return []  # before setup: no hooks yet
-        return ['{} ({}): {}'.format(name, timing, ', '.join(
-            '{}={}'.format(key, options.option_text(value))
-            for key, value in sorted(vars(hook).items())
-            if not key.startswith('_')))
-            for timing, registry in (
-                ('pre', hookable._pre_update_hooks),
-                ('post', hookable._post_update_hooks))
-            for name, hook in registry.items()]
+        return options.hook_descriptions(self._hookable)
 
     def option_values(self):
         """``{option: text}`` of every option and hyperparameter, and the
         optimizer hooks, alike where two processes set the same values
         (:mod:`chainerkfac.distributed.consistency`)."""
-        values = options.option_values(self)
-        values['optimizer hooks'] = '; '.join(self.hook_descriptions()) \
-            or 'none'
-        return values
+        return dict(options.option_values(self), **{
+            'optimizer hooks': '; '.join(self.hook_descriptions()) or 'none'})
 
     # -- the step -----------------------------------------------------------
 
@@ -324,8 +283,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self._monitor.observe(self.t, mean_loss, scale)
 
     def _clear_rows(self):
-        """Drops the rows a step's blocks did not use (one that skipped
-        or raised, or did not precondition them)."""
+        """Drops the rows the step's blocks did not use."""
         for block in self.blocks:
             block.clear_rows()
 
@@ -349,15 +307,9 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             # the gradients and statistics are computed again from them.
             self.discard_statistics()
             nonfinite.restore(running)
-            if lossfun is None:
-                logger.warning(
-                    'iteration %d skipped: lazily initialised links got '
-                    "rank 0's first weights after this step's backward, "
-                    'whose gradients came from each rank\'s own; '
-                    'update(lossfun, *batch) computes them again instead',
-                    self.t + 1)
+            mean_loss = accumulation.again(self, lossfun, args, kwds)
+            if mean_loss is None:
                 return False, None, None
-            mean_loss = accumulation.gradients(self, lossfun, args, kwds)
         self.reallocate_cleared_grads()
         if self._resume is not None:
             # After the forward pass: lazily initialised layers have their
@@ -413,82 +365,36 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         # manual loop may pass without loss_scaling()); the decay term must
         # carry it too, and the bound divides it out. (A lazily initialised
         # link not yet called has no gradient to say it.)
-        shaped = next((b for b in self.blocks if b.shaped()), None)
-        scale = self._loss_scale if shaped is None \
-            else shaped.gradient_loss_scale()
+        scale = registry.gradient_loss_scale(self.blocks,
+                                             self._loss_scale)
         with self.timing('precondition'):
             terms = self._stages.precondition(
                 self, hp.weight_decay * (scale or 1))
         terms, batch = self._stages.gather(self, terms, samples or 0)
-        # A frozen layer takes no step: its sums would change the others'.
-        terms[[i for i, b in enumerate(self.blocks) if b.frozen()]] = 0
-        rho = self.step_rule.scales(terms)
-        kl = step_rule_module.kl_estimate(float(rho * rho @ terms[:, 0]),
-                                          hp.lr, scale)
+        sums = step_rule_module.Sums.of(terms).without(
+            i for i, block in enumerate(self.blocks) if block.frozen())
         kappa = None if self.step_rule.chooses_update else \
             self._bound(hp.kl_clip, hp.lr, batch or None)
-        nu = step_rule_module.scale(kl, kappa)
-        step_rule_module.rescale(self.blocks, rho * nu)
-        chainer.report(dict(refresh.report(rates, refreshed), **{
-            'kfac/damping': hp.damping, 'kfac/kl': kl,
-            'kfac/update_scale': nu,
-            'kfac/step_scale': step_rule_module.typical(rho)}))
-        return nu
+        step = step_rule_module.length(self.step_rule, sums, hp.lr, kappa,
+                                       scale)
+        step_rule_module.rescale(self.blocks, step.rho * step.nu)
+        chainer.report(dict(refresh.report(rates, refreshed), **step.report(),
+                            **{'kfac/damping': hp.damping}))
+        return step.nu
 
     def serialize(self, serializer):
         """Saves or loads momentum, step counters and all K-FAC state, so
-        that a resumed run takes the steps an uninterrupted one takes:
-        every block's factors, inverses and schedules, after a header
-        (rank, process count, inverse form, layers and factor shapes) that
-        loading checks, naming what differs. Each process keeps the layers
-        it owns; another process count loads the files
-        :func:`chainerkfac.snapshot_files` gives it
-        (:mod:`chainerkfac.optimizers.snapshot`; what a snapshot holds:
-        the checkpointing guide). A MomentumSGD snapshot loads the momentum
-        and step count; the curvature then starts afresh."""
-        if getattr(self, 'target', None) is None:
-            raise RuntimeError('KFAC saved or loaded before setup(): call '
-                               'optimizer.setup(model) first (setup creates '
-                               'the state a snapshot holds)')
-        state = serializer['kfac']
+        that a resumed run takes the steps an uninterrupted one takes
+        (:func:`chainerkfac.optimizers.snapshot.serialize`; what a snapshot
+        holds: the checkpointing guide)."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        rank, size = self._stages.rank_and_size()
-        mine = snapshot.header(rank, size, self.inverse, self.bn_fisher,
-                               self.blocks)
-        found = loading and snapshot.check_header(state, mine, self.blocks)
-        if not loading:
-            for key, value in mine.items():
-                state['header'](key, value)
-            state['header']('held', snapshot.held(self.blocks))
-        super().serialize(serializer)
-        if loading:
-            self._check_finite_momentum()
-        if loading and not found:
-            logger.warning('the snapshot holds no K-FAC state (another '
-                           "optimizer's?): momentum and step count loaded, "
-                           'the curvature starts afresh')
-            return
-        self._bound.serialize(state['bound'])
-        self._monitor.serialize(state['divergence'])
-        snapshot.serialize_step_rule(state, self.step_rule, self.damping,
-                                     loading)
-        self.serialize_checks(state['nonfinite'])
-        names = {block.name for block in self.blocks}
-        if found:
-            saved_rank, saved_size, held = found
-            names = names if held is None else held
-            if self._resume is None:
-                self._resume = snapshot.Resume(saved_size)
-            self._resume.add(saved_rank, saved_size, names)
-        for block in self.blocks:
-            if block.name in names:
-                block.serialize(state[block.name])
-            else:
-                block.serialize_schedules(state[block.name])
 
-
-def _total(works):
-    """The sum of the :class:`~chainerkfac.curvature.cost.StepWork` of
-    ``works`` that are not ``None`` (``None`` if none is)."""
-    known = [work for work in works if work is not None]
-    return sum(known[1:], known[0]) if known else None
+        def momentum():
+            super(KFAC, self).serialize(serializer)
+            if loading:
+                self._check_finite_momentum()
+        self._resume = snapshot.serialize(
+            serializer, self, momentum, self._resume, {
+                'bound': self._bound.serialize,
+                'divergence': self._monitor.serialize,
+                'nonfinite': self.serialize_checks})

@@ -216,6 +216,30 @@ def option_values(optimizer):
     return {name: option_text(value) for name, value in values.items()}
 
 
+def whole_model_hooks(hookable):
+    """:meth:`KFAC.whole_model_hooks
+    <chainerkfac.optimizers.KFAC.whole_model_hooks>` of the hooks in
+    Chainer's registry ``hookable``."""
+    return [name for name, hook in hookable._pre_update_hooks.items()
+            if not getattr(hook, 'call_for_each_param', False)]
+
+
+def hook_descriptions(hookable):
+    """:meth:`KFAC.hook_descriptions
+    <chainerkfac.optimizers.KFAC.hook_descriptions>` of the hooks in
+    Chainer's registry ``hookable`` (``None`` before setup: none)."""
+    if hookable is None:
+        return []
+    return ['{} ({}): {}'.format(name, timing, ', '.join(
+        '{}={}'.format(key, option_text(value))
+        for key, value in sorted(vars(hook).items())
+        if not key.startswith('_')))
+        for timing, registry in (
+            ('pre', hookable._pre_update_hooks),
+            ('post', hookable._post_update_hooks))
+        for name, hook in registry.items()]
+
+
 def option_text(value):
     """``value`` as text that two processes which set the same value print
     alike (a plain function by its name, not its address)."""

@@ -138,8 +138,8 @@ class QuadraticModel(step_rule.StepRule):
         return LevenbergMarquardt(damping, self.interval,
                                   bounds=(self.min_damping, 1e8))
 
-    def scales(self, terms):
-        return numpy.ones(len(terms))
+    def scales(self, sums):
+        return numpy.ones(len(sums.vg))
 
     # -- called by the optimizer around its step ----------------------------
 

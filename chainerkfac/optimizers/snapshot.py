@@ -24,6 +24,7 @@ import re
 import zipfile
 import zlib
 
+import chainer
 import numpy
 from chainer import serializers
 
@@ -131,6 +132,58 @@ def check_header(state, mine, blocks):
         return saved_rank, saved_size, None
     names = str(state['header']('held', ''))
     return saved_rank, saved_size, set(names.split('; ')) - {''}
+
+
+def serialize(serializer, optimizer, momentum, resume, parts):
+    """Saves or loads a set-up ``optimizer``'s K-FAC state with
+    ``serializer``: the header (rank, process count, inverse form, layers
+    and factor shapes), which loading checks, naming what differs;
+    ``momentum()``, which serializes the update rules; each of ``parts``
+    (``{name: serialize(serializer)}``); the step rule; and the curvature
+    of every block the file holds (the schedules of the others). Each
+    process keeps the layers it owns; another process count loads the
+    files :func:`files` gives it. A MomentumSGD snapshot loads the momentum
+    and step count; the curvature then starts afresh. Returns the
+    :class:`Resume` of the files loaded since the last update (``resume``,
+    the one before, or ``None``)."""
+    if getattr(optimizer, 'target', None) is None:
+        raise RuntimeError('KFAC saved or loaded before setup(): call '
+                           'optimizer.setup(model) first (setup creates '
+                           'the state a snapshot holds)')
+    state = serializer['kfac']
+    loading = isinstance(serializer, chainer.serializer.Deserializer)
+    blocks = optimizer.blocks
+    rank, size = optimizer.stages.rank_and_size()
+    mine = header(rank, size, optimizer.inverse, optimizer.bn_fisher,
+                  blocks)
+    found = loading and check_header(state, mine, blocks)
+    if not loading:
+        for key, value in mine.items():
+            state['header'](key, value)
+        state['header']('held', held(blocks))
+    momentum()
+    if loading and not found:
+        logger.warning('the snapshot holds no K-FAC state (another '
+                       "optimizer's?): momentum and step count loaded, "
+                       'the curvature starts afresh')
+        return resume
+    for name, part in parts.items():
+        part(state[name])
+    serialize_step_rule(state, optimizer.step_rule, optimizer.damping,
+                        loading)
+    names = {block.name for block in blocks}
+    if found:
+        saved_rank, saved_size, held_names = found
+        names = names if held_names is None else held_names
+        if resume is None:
+            resume = Resume(saved_size)
+        resume.add(saved_rank, saved_size, names)
+    for block in blocks:
+        if block.name in names:
+            block.serialize(state[block.name])
+        else:
+            block.serialize_schedules(state[block.name])
+    return resume
 
 
 def serialize_step_rule(state, rule, damping, loading):
@@ -273,6 +326,47 @@ def _saved_size(path):
         keys = [key for key in state.files
                 if key.endswith('kfac/header/world_size')]
         return int(state[keys[0]]) if keys else 0
+
+
+def redistribute(comm, assignment, split_blocks, blocks, resume):
+    """Checks that the processes together loaded every file of
+    ``resume`` (a :class:`Resume`), then moves every block's curvature
+    from the process that loaded it to its owner in ``assignment``, over
+    communicator ``comm``, one object message per moved block, in block
+    order on every rank. On as many processes it is usually where it was
+    saved; a lazily initialised layer that got its shape after the
+    snapshot's placement can move blocks. Processes that loaded a block
+    they do not own drop it, and the owner of a block that
+    ``split_blocks`` (:class:`~chainerkfac.distributed.split.SplitBlocks`)
+    splits holds its inverse in the kind the split needs
+    (:meth:`Split.adopt <chainerkfac.distributed.split.Split.adopt>`)."""
+    mine = [i for i, block in enumerate(blocks)
+            if block.name in resume.held and block.holds_curvature()]
+    everyone = comm.bcast_obj(comm.gather_obj(
+        (sorted(resume.loaded), mine)))
+    resume.check_complete({r for loaded, _ in everyone for r in loaded})
+    holders = {}
+    for rank, (_, held) in enumerate(everyone):
+        for i in held:
+            holders.setdefault(i, rank)
+    rank = comm.rank
+    for i, holder in sorted(holders.items()):
+        owner = assignment.owners[i]
+        if holder == owner:
+            continue
+        if rank == holder:
+            comm.send_obj(block_state(blocks[i]), owner)
+        elif rank == owner:
+            load_block_state(blocks[i], comm.recv_obj(holder))
+    for i in mine:
+        if assignment.owners[i] != rank:
+            blocks[i].clear_curvature()
+    for i, split in split_blocks.splits.items():
+        if assignment.owners[i] == rank and blocks[i].ready():
+            blocks[i].form = split.adopt(blocks[i].form)
+    logger.info('rank %d: K-FAC curvature of a snapshot of %d '
+                'process(es) placed on %d', rank, resume.saved_size,
+                comm.size)
 
 
 def block_state(block):

@@ -14,12 +14,12 @@ the blocks live to a :class:`Stages` object::
     precondition     V = F̂⁻¹ ∇ for this process's blocks (stage 5)
     gather           V and the step rule's sums on every process (stage 6)
 
-:class:`LocalStages` is one process, where nothing moves;
-:class:`chainerkfac.distributed.HybridParallelStages` is the paper's hybrid
-data/model-parallel scheme under MPI (§3.3). The optimizer's step is the
-same code for both.
+:class:`Stages` itself is one process, where nothing moves (its
+:class:`LocalStages` refuses to run under MPI);
+:class:`chainerkfac.distributed.HybridParallelStages` overrides what moves
+in the paper's hybrid data/model-parallel scheme under MPI (§3.3). The
+optimizer's step is the same code for both.
 """
-import abc
 import sys
 
 from chainer import backend
@@ -29,80 +29,87 @@ from chainerkfac import cpu_parallel
 from chainerkfac import step_rule
 
 
-class Stages(abc.ABC):
-    """The interface between the optimizer's step and where blocks live."""
+class Stages:
+    """The interface between the optimizer's step and where blocks live,
+    and its one-process implementation, where nothing moves: every block
+    is this process's, each collective the identity."""
 
-    @abc.abstractmethod
     def setup(self, optimizer):
         """Called at the end of :meth:`KFAC.setup
         <chainerkfac.optimizers.KFAC.setup>`."""
 
-    @abc.abstractmethod
     def prepare(self, optimizer):
         """Called at the start of every :meth:`KFAC.update
         <chainerkfac.optimizers.KFAC.update>`."""
 
-    @abc.abstractmethod
     def broadcast_new_parameters(self, optimizer):
         """Called after the step's forward and backward passes: gives the
         parameters that lazily initialised links created in them rank 0's
         values on every process; returns whether it did (the gradients
         are then to be computed again)."""
+        return False
 
-    @abc.abstractmethod
     def abandon(self, error):
         """Called when ``error`` stops this process in the middle of an
         update, before it propagates: ends the other processes, waiting in
         the step's collectives, where nothing else would."""
 
-    @abc.abstractmethod
     def redistribute(self, optimizer, resume):
         """After loading a snapshot (``resume``, a
         :class:`~chainerkfac.optimizers.snapshot.Resume`), at the first
         update: checks that the processes loaded every file and moves each
-        block's curvature to its owner in this run's placement."""
+        block's curvature to its owner in this run's placement (in one
+        process, only the files are checked)."""
+        resume.check_complete(resume.loaded)
 
-    @abc.abstractmethod
     def reduce(self, optimizer):
         """Gradients and statistics after backward, before the hooks.
 
         Returns ``{block: {factor: batch mean}}`` for the blocks this
         process refreshes.
         """
+        pending = [block for block in optimizer.blocks
+                   if block.has_pending_statistics()]
+        if not pending:
+            return {}
+        with optimizer.timing('statistics_fold'):
+            return {block: block.take_statistics(
+                block.gradient_loss_scale()) for block in pending}
 
-    @abc.abstractmethod
     def agree(self, ok):
         """Whether every process can take the step (``ok`` is local)."""
+        return ok
 
-    @abc.abstractmethod
     def rank_and_size(self):
         """``(rank, number of processes)`` of this process."""
+        return 0, 1
 
-    @abc.abstractmethod
     def placement(self, blocks):
         """Where each of ``blocks`` lives, as text, one per block (for
         :meth:`KFAC.describe <chainerkfac.optimizers.KFAC.describe>`), or
         ``None`` in one process."""
+        return None
 
-    @abc.abstractmethod
     def owned(self, blocks):
         """The blocks this process refreshes."""
+        return blocks
 
-    @abc.abstractmethod
     def share_inverses(self, optimizer, refreshed):
         """Called after the due inverses were refreshed (``refreshed`` are
         the blocks whose inverse this process recomputed), before
         preconditioning."""
 
-    @abc.abstractmethod
     def precondition(self, optimizer, weight_decay):
         """Replaces the gradients of the blocks (or parts of blocks) this
         process preconditions by ``V = F̂⁻¹ ∇``; returns this process's part
         of the step rule's sums, an array ``(len(optimizer.blocks),
-        step_rule.N_TERMS)`` (:func:`chainerkfac.step_rule.block_terms`;
+        step_rule.N_TERMS)`` (:func:`chainerkfac.step_rule.block_sums`;
         zero rows for the blocks it does not precondition)."""
+        return stack(cpu_parallel.map_blocks(
+            lambda block: precondition(block, weight_decay),
+            self.owned(optimizer.blocks),
+            cpu_parallel.block_work('precondition_cost')))
 
-    @abc.abstractmethod
     def gather(self, optimizer, terms, samples):
         """Shares preconditioned gradients and the refresh schedules of the
         factors this process refreshed. ``terms`` is this process's part of
@@ -110,16 +117,15 @@ class Stages(abc.ABC):
         ``samples`` the size of its batch; returns their sums over every
         process, ``(NumPy array like terms, number)``, the same numbers on
         each."""
+        return backend.CpuDevice().send(terms).astype(numpy.float64), samples
 
 
 class LocalStages(Stages):
-    """The stages of one K-FAC step in a single process: nothing moves."""
+    """The stages of one K-FAC step in a single process, which refuse to
+    run in one of several MPI processes."""
 
     def __init__(self):
         self._checked_mpi = False
-
-    def setup(self, optimizer):
-        pass
 
     def prepare(self, optimizer):
         """At the first update, refuses to run in one of several MPI
@@ -130,48 +136,26 @@ class LocalStages(Stages):
             if not optimizer.independent_processes:
                 refuse_under_mpi()
 
-    def broadcast_new_parameters(self, optimizer):
-        return False
 
-    def abandon(self, error):
-        pass
+def precondition(block, weight_decay):
+    """Puts ``V = F̂⁻¹ ∇`` in ``block``'s gradients; returns its row of
+    :func:`chainerkfac.step_rule.block_sums`."""
+    V, grad = block.direction(weight_decay)
+    # The sums before set_gradient: the gradient of a layer without a bias
+    # (and without the decay term) is a view of param.grad, which
+    # set_gradient overwrites with V.
+    row = step_rule.block_sums(V, grad)
+    if V is not grad:  # a block without an inverse keeps its gradient
+        block.set_gradient(V)
+    return row
 
-    def redistribute(self, optimizer, resume):
-        """One process holds every block: only the files are checked."""
-        resume.check_complete(resume.loaded)
 
-    def reduce(self, optimizer):
-        pending = [block for block in optimizer.blocks
-                   if block.has_pending_statistics()]
-        if not pending:
-            return {}
-        with optimizer.timing('statistics_fold'):
-            return {block: block.take_statistics(
-                block.gradient_loss_scale()) for block in pending}
-
-    def agree(self, ok):
-        return ok
-
-    def rank_and_size(self):
-        return 0, 1
-
-    def placement(self, blocks):
-        return None
-
-    def owned(self, blocks):
-        return blocks
-
-    def share_inverses(self, optimizer, refreshed):
-        pass
-
-    def precondition(self, optimizer, weight_decay):
-        return step_rule.stack_terms(cpu_parallel.map_blocks(
-            lambda block: block.precondition(weight_decay),
-            self.owned(optimizer.blocks),
-            cpu_parallel.block_work('precondition_cost')))
-
-    def gather(self, optimizer, terms, samples):
-        return backend.CpuDevice().send(terms).astype(numpy.float64), samples
+def stack(rows):
+    """Rows of :func:`chainerkfac.step_rule.block_sums` as one ``(blocks,
+    N_TERMS)`` array of their module (a NumPy one without rows)."""
+    if not rows:
+        return numpy.zeros((0, step_rule.N_TERMS))
+    return backend.get_array_module(rows[0]).stack(rows)
 
 
 def refuse_under_mpi():
