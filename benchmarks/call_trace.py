@@ -7,11 +7,10 @@ then a Linear), one process, the defaults. After a few steps (so that the
 adaptive intervals have grown), ``sys.setprofile`` follows one stale
 update (no factor due) and one refresh update (every factor due:
 ``factor_interval=1``): every Python call whose code lives in
-``chainerkfac/``. Per update it counts the
-library files entered, the hand-offs (a call from one library file into
-another) and the re-entries into ``optimizers/kfac.py`` (a call into it
-from another library file). Results go to
-``benchmarks/results/call_trace.json``.
+``chainerkfac/``. Per update it counts the library files entered, the
+hand-offs (a call from one library file into another) and the re-entries
+into ``optimizers/kfac.py`` (from another library file). Results go to
+``results/call_trace.json``.
 """
 import os
 import sys

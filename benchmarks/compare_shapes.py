@@ -42,19 +42,15 @@ learning rate (the schedule is applied and ignored) and no bound.
 ``kfac_quadratic_model_floor`` is the same with the damping kept at 1e-3
 or more. A run that blows up (``NonFiniteError``) ends at that epoch.
 
-Each run is kept in ``results/compare_shapes.json`` as soon as it ends, in
-its variant ``--name`` (the default one without it; ``--out FILE``: in that
-file, as its variant ``--name``); a run already there is not repeated, so
-the grid can be grown over several invocations. ``--report`` (also at the end
-of every invocation) prints and stores, per batch: MomentumSGD's best final
-validation accuracy (best base learning rate, mean over seeds) and the
-target it sets (that minus 0.5 point); for each optimizer at its best
-learning rate, the median epochs and training seconds to the target, its
-final accuracy and validation loss. The curves go to
-``results/compare_shapes[_<name>].png`` (validation loss and accuracy
-against epochs and against seconds; ``run_all.py --docs-only`` copies the
-default's into the docs). Runs of rows this script no longer has stay in
-the results and out of the report.
+Each run is kept in ``results/compare_shapes.json`` as it ends, in its
+variant ``--name`` (``--out FILE``: in that file); a run already there is
+not repeated. ``--report`` (also at the end of every invocation) gives, per
+batch, MomentumSGD's best final accuracy (mean over seeds) and the target
+it sets (that less 0.5 point), and for each optimizer at its best learning
+rate the median epochs and seconds to the target, its final accuracy and
+validation loss; the curves go to ``results/compare_shapes[_<name>].png``.
+Runs of rows this script no longer has stay in the results, out of the
+report.
 """
 import argparse
 import functools

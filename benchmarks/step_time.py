@@ -26,16 +26,13 @@ doing the same work, and the table marks it ``*``: a refresh step from
 ``kfac_1`` (statistics, inverses and preconditioning every step; its
 ``_subN`` or ``_bsubN`` variant for such a configuration); a factor step as
 this configuration's stale step plus that ``kfac_1``'s statistics stage.
-(``kfac_1`` keeps Cholesky factors, which are cheaper to form than the
-explicit inverses that long intervals use: on ResNet-50 at 224x224 about
-4 s more per refresh, 0.04 s a step at an inverse interval of 100.) Long runs
-(``--steps`` at least the largest interval) need no substitution.
+(``kfac_1`` keeps Cholesky factors, cheaper to form than the explicit
+inverses of long intervals.) Long runs (``--steps`` at least the largest
+interval) need no substitution.
 
 Stage times come from the library's timing hook (``optimizer.stage_timer``,
-:mod:`chainerkfac.timing`). Results go to
-``benchmarks/results/step_time.json``, as its variant ``--name`` (the
-default one without it; ``--out FILE``: in that file instead, as its
-variant ``--name``).
+:mod:`chainerkfac.timing`). Results: ``results/step_time.json`` (``--out
+FILE``: that file), variant ``--name``.
 """
 import argparse
 import copy

@@ -37,15 +37,12 @@ best, so that the best lies inside; then ``SEEDS`` seeds run at
 each row's best setting (the highest seed-0 final accuracy; the swaps'
 is MomentumSGD's). The target is
 ``sgd``'s best final accuracy over every batch less half a point. The
-critical batch of a row is the largest batch up to which its median epochs
-to the target stay within 1.5x of its smallest (Shallue et al. 2019);
-the report gives, at each batch, each row's median seconds to the target
-and the better K-FAC row's median epochs over MomentumSGD's; each K-FAC
-row's critical batch over MomentumSGD's; and each row's median epochs at
-its largest batch over those at its smallest.
-Runs are kept in ``results/table1.json`` as they end; the plot goes to
-``results/table1.png``. Runs of rows this script no longer has stay in the
-results and out of the report.
+report gives each row's median epochs and seconds to it at each batch, its
+critical batch (the largest up to which its median epochs stay within 1.5x
+of its smallest; Shallue et al. 2019) and its epochs at the largest batch
+over those at the smallest. Runs are kept in ``results/table1.json`` as
+they end (those of rows no longer here stay, out of the report); the plot
+goes to ``results/table1.png``.
 """
 import argparse
 import json

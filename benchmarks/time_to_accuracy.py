@@ -8,23 +8,18 @@ Two tasks:
 * ``digits``: scikit-learn's 1,797 real 8x8 digits, with the model and
   loader of ``examples/digits/train_digits.py``; target 97% validation
   accuracy.
-* ``teacher``: a synthetic teacher-student task. A fixed random CNN (the
-  teacher, seed 1234) labels spatially smoothed Gaussian 32x32x3 images into
-  10 classes (logits standardised per class so the classes are balanced);
-  a student CNN with BatchNorm (three 3x3 convolutions, 8-16-32 channels)
-  learns it from tens of thousands of samples.
-  Target: 45% validation accuracy (``--target-teacher``; 30% with
-  ``--quick``, which also tries one learning rate per optimizer there).
+* ``teacher``: a fixed random CNN (seed 1234) labels smoothed Gaussian
+  32x32x3 images into 10 balanced classes; a student CNN with BatchNorm
+  (3x3 convolutions, 8-16-32 channels) learns it. Target: 45% validation
+  accuracy (``--target-teacher``; 30% and one learning rate with
+  ``--quick``).
 
-Each optimizer gets a small learning-rate grid and several seeds, at a small
-and a large batch. A run stops at the target or at the iteration cap. For
-each (task, batch, optimizer) the learning rate with the lowest median
-iterations-to-target over the seeds is reported (a run that misses the
-target counts as infinitely slow), with its median wall-clock (training time
-only: evaluation excluded). Results go to
-``benchmarks/results/time_to_accuracy.json``, as its variant ``--name``
-(the default one without it), the plots to
-``benchmarks/results/time_to_accuracy[_<name>]_<task>.png``.
+Each optimizer gets a small learning-rate grid and several seeds, at a
+small and a large batch; a run stops at the target or the iteration cap.
+Per (task, batch, optimizer): the learning rate of the lowest median
+iterations to the target (a miss counts as infinitely slow) and its median
+training seconds. Results: ``results/time_to_accuracy.json``, variant
+``--name``; plots: ``results/time_to_accuracy[_<name>]_<task>.png``.
 """
 import argparse
 import os

@@ -212,9 +212,7 @@ class KfacCommunicatorMixin(abc.ABC):
         destined for each rank: ``counts[r]`` elements for rank ``r``. Each
         rank receives its own segment summed over all ranks, so every
         rank's Kronecker factors add up on the factors' owner. One
-        ``MPI_Reduce_scatter`` (or NCCL reduce per owner): each element
-        crosses the network about once, where an allreduce would also send
-        every rank everyone's sums.
+        ``MPI_Reduce_scatter`` (or NCCL reduce per owner).
 
         Args:
             sendbuf: 1-D array of ``sum(counts)`` elements, the same
@@ -242,9 +240,8 @@ class KfacCommunicatorMixin(abc.ABC):
 
     @_communication
     def all_gather_v(self, sendbuf, counts, groups=None):
-        """Gathers uneven segments onto every rank (paper §3.3, stage 6).
-
-        Rank ``r`` contributes its ``counts[r]`` elements (the gradients it
+        """Gathers uneven segments onto every rank (paper §3.3, stage 6):
+        rank ``r`` contributes its ``counts[r]`` elements (the gradients it
         preconditioned); every rank receives the concatenation over ranks in
         rank order. One ``MPI_Allgatherv`` (or NCCL broadcast per rank).
 
@@ -253,11 +250,7 @@ class KfacCommunicatorMixin(abc.ABC):
                 on every rank.
             counts (sequence of int): Segment sizes, one per rank, the same
                 on every rank.
-            groups: Where a ``transport_dtype`` narrows the transfer:
-                the start offsets, in the whole transfer and the same on
-                every rank, of the runs of elements that share one
-                power-of-two scale (one per tensor, say); ``None``: every
-                :data:`~chainerkfac.distributed.scaling.SCALE_BLOCK` elements.
+            groups: As in :meth:`reduce_scatter_v`.
 
         Returns:
             A new 1-D array of ``sum(counts)`` elements.
@@ -286,8 +279,8 @@ class KfacCommunicatorMixin(abc.ABC):
         rank order, of the segments the other ranks addressed to it; the
         receive sizes are exchanged first (a small object collective), so
         ``counts`` may differ between ranks. One ``MPI_Alltoallv`` (or
-        grouped NCCL sends and receives). Arrays travel in their own dtype:
-        they are inverses, which a narrow transport would spoil.
+        grouped NCCL sends and receives), in the arrays' own dtype (they
+        are inverses, which a narrow transport would spoil).
 
         Returns:
             ``(recvbuf, recv_counts)``: a new 1-D array and the number of
