@@ -87,6 +87,7 @@ def worker(args):
                       in observation.items() if k.startswith('kfac/bytes/')},
             'state_bytes': sum(b.state_bytes() for b in opt.blocks),
             'owned_blocks': len(opt.stages.owned(opt.blocks))})
+    control = _control_cost(comm, opt)
     everyone = comm.mpi_comm.gather(records, root=0)
     if comm.rank == 0:
         assignment = opt.stages.assignment
@@ -97,8 +98,27 @@ def worker(args):
                            opt.blocks[i].name: len(assignment.shards[i])
                            for i in assignment.split_blocks},
                        'n_blocks': len(opt.blocks),
+                       'control_when_together': control,
                        'n_params': int(sum(p.size for p in model.params())),
                        'batch_per_rank': batch}, f)
+
+
+def _control_cost(comm, opt, repeats=50):
+    """Median seconds, over ``repeats`` tries, of the update's control
+    messages (the start's check of the iteration, the step's agreement)
+    when the ranks arrive together (after a barrier): their own cost,
+    without the waiting for a slower rank that a step's ``control``
+    stage also holds."""
+    from chainerkfac.distributed import consistency
+    times = []
+    for _ in range(repeats):
+        comm.mpi_comm.Barrier()
+        t0 = time.perf_counter()
+        consistency.check_same_step(comm, opt, opt.stages.arrival_deadline)
+        opt.stages.agree(True)
+        times.append(time.perf_counter() - t0)
+    return comm.mpi_comm.allreduce(float(numpy.median(times)),
+                                   op=mpi4py_max())
 
 
 def factorization_worker(args):
@@ -248,6 +268,8 @@ def run_mpi(args, runs):
             raw = json.load(f)
         os.remove(out)
         results[key] = {'summary': summarise_mpi(raw),
+                        'control_when_together': raw[
+                            'control_when_together'],
                         'load_imbalance': raw['load_imbalance'],
                         'split_blocks': raw['split_blocks'],
                         'n_blocks': raw['n_blocks'],
@@ -287,6 +309,12 @@ def mpi_tables(results):
         for s in harness.STAGES] + [
             'total', 'of communication: control (the ranks\' agreement)',
             'control / total']))
+    lines += ['', 'The control messages of one update when the ranks '
+              'arrive together (after a barrier; median of 50, slowest '
+              'rank): ' + ', '.join(
+                  '{} ranks {}'.format(size, harness.fmt_s(
+                      res['control_when_together']))
+                  for size, res in results.items()), '']
     lines += ['', 'Bytes per step handed to MPI by one rank (mean over '
               'ranks), K-FAC state per rank, owned blocks:', '']
     rows = []

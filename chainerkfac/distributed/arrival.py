@@ -2,14 +2,15 @@
 others waiting (:func:`chainerkfac.create_multi_node_optimizer`'s
 ``arrival_deadline``).
 
-- :func:`rendezvous`: every rank's small value at the start of an update,
-  or the names of the ranks that did not send theirs in time (a rank that
-  left its training loop early).
-- :class:`Watch`: a collective of the step, started without blocking and
-  waited for with the deadline. A rank that times out calls the roll
-  (:func:`roll_call`): every rank that is waiting too answers with what it
-  waits for, and the ranks that do not answer within :data:`GRACE`
-  seconds are named as stopped or blocked in the middle of the step.
+- :class:`Watch`: a collective of the step (its start's check of the
+  iteration too), started without blocking and waited for with the
+  deadline. A rank that times out calls the roll (:func:`roll_call`):
+  every rank that is waiting too answers with what it waits for, and the
+  ranks that do not answer within :data:`GRACE` seconds are named as
+  stopped, blocked or gone from the training loop.
+- :func:`rendezvous`: every rank's small value, or the names of the ranks
+  that did not send theirs in time: what names each rank's iteration
+  where the start's check found that they differ.
 
 A blocking collective could only wait, and the ranks that never arrive
 would stay unknown.
@@ -18,7 +19,8 @@ import time
 
 
 class ArrivalTimeout(RuntimeError):
-    """Ranks did not reach :func:`rendezvous` in time."""
+    """Ranks did not reach a collective of the step, or
+    :func:`rendezvous`, in time."""
 
 
 #: The tag of :func:`rendezvous`'s messages (on a communicator of their
@@ -147,23 +149,28 @@ class Watch:
         self.deadline = None
         self.step = 'the K-FAC step'
 
-    def wait(self, request, collective):
+    def wait(self, request, collective, start_of_step=False):
         """Waits for the MPI ``request`` of ``collective`` (its name);
         after :attr:`deadline` seconds calls the roll and raises
         :class:`ArrivalTimeout` naming the ranks that did not answer and
-        where those that did are waiting."""
+        where those that did are waiting. The wait at the start of a step
+        lasts ``1.1 deadline + 5`` s, so that a rank left in the middle of
+        the last step names the one that went on, not the other way
+        round."""
         if self.deadline is None or self.comm.size == 1:
             request.Wait()
             return
+        deadline = 1.1 * self.deadline + 5 if start_of_step else \
+            self.deadline
         where = '{} of {}'.format(collective, self.step)
         start, pauses = time.monotonic(), _pauses()
         while not request.Test():
             answer_roll_calls(self.comm, where)
             waited = time.monotonic() - start
-            if waited > self.deadline:
+            if waited > deadline:
                 answers = roll_call(self.comm, where)
                 raise ArrivalTimeout(_absent(
-                    where, self.deadline, answers, self.comm.rank,
+                    where, deadline, answers, self.comm.rank,
                     self.comm.size))
             time.sleep(next(pauses))
 
@@ -175,8 +182,9 @@ def _absent(where, deadline, answers, rank, size):
     parts = []
     if silent:
         parts.append('rank(s) {} did not answer: stopped, exited or '
-                     'blocked in the middle of the step'.format(
-                         ', '.join(map(str, silent))))
+                     'blocked in the middle of the step, or left its '
+                     'training loop early (every rank calls update() as '
+                     'many times)'.format(', '.join(map(str, silent))))
     parts += ['rank {} waits in {} (it left this step: an exception it '
               'caught, or a loop of its own)'.format(r, a)
               for r, a in sorted(elsewhere.items())]

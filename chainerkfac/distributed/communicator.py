@@ -164,8 +164,6 @@ class KfacCommunicatorMixin(abc.ABC):
             return self.transport_dtype
         return super().get_config(name)
 
-    # A rendezvous with a deadline.
-
     def arrive(self, value, deadline, what):
         """Every rank's ``value`` (a small picklable object), in rank
         order, or :class:`~chainerkfac.distributed.ArrivalTimeout` naming
@@ -174,16 +172,18 @@ class KfacCommunicatorMixin(abc.ABC):
         communicator's own duplicate of its MPI communicator)."""
         return arrival.rendezvous(self._arrival_comm, value, deadline, what)
 
-    def control_sum(self, values):
-        """The sums over ranks of a few numbers ``values`` (flags, losses:
-        control, not data, so not in :attr:`bytes_moved`), as a float64
-        NumPy array, within the :attr:`watch`'s deadline."""
+    def control_sum(self, values, collective='the agreement'):
+        """The float64 sums over ranks of a few numbers ``values`` (not in
+        :attr:`bytes_moved`), within the :attr:`watch`'s deadline; those
+        of ``'the start'`` on a communicator of their own."""
         import mpi4py.MPI
         buf = numpy.array(values, dtype=numpy.float64)
+        start = collective == 'the start'
+        comm = self._arrival_comm if start else self.mpi_comm
         if self.size > 1:
-            self.watch.wait(self.mpi_comm.Iallreduce(
-                mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.SUM),
-                'the agreement')
+            self.watch.wait(comm.Iallreduce(
+                mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.SUM), collective,
+                start)
         return buf
 
     # Byte counters.

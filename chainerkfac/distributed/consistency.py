@@ -10,6 +10,8 @@ the ranks check that they start the same iteration and feed equal batches.
 """
 import zlib
 
+import numpy
+
 from chainerkfac import timing
 
 
@@ -81,19 +83,25 @@ def _describe(param):
 
 
 def check_same_step(comm, optimizer, deadline):
-    """Every rank starts the update within ``deadline`` seconds, at the
-    same iteration, and each resuming from a snapshot or none: a rank
-    that left its loop, or a snapshot loaded on some ranks only, would
-    leave the others waiting in a collective for ever. One small message
-    to rank 0 and back an update (:meth:`KfacCommunicatorMixin.arrive
-    <chainerkfac.distributed.KfacCommunicatorMixin.arrive>`); raises
-    ``ValueError`` naming each rank's iteration otherwise."""
-    with timing.timed(comm.stage_timer,
-                      'communication_control'):
+    """Every rank starts the update within ``deadline`` seconds (the
+    communicator's watch names the others), at the same iteration, and
+    each resuming from a snapshot or none: a rank that left its loop, or a
+    snapshot loaded on some ranks only, would leave the others waiting in
+    a collective for ever. One non-blocking allreduce of three numbers an
+    update, ``[t, t², resuming]``, whose sums are ``P`` times the local
+    ones exactly when every rank's are the same (``Σ (t_r − t)² = 0``;
+    exact in float64 up to ``t`` of about 10⁶ at 1,024 ranks); otherwise
+    the rendezvous (:meth:`KfacCommunicatorMixin.arrive
+    <chainerkfac.distributed.KfacCommunicatorMixin.arrive>`) gathers each
+    rank's and every rank raises ``ValueError`` naming them."""
+    t, resuming = optimizer.t, int(optimizer.resuming)
+    local = numpy.array([t, t * t, resuming], dtype=numpy.float64)
+    with timing.timed(comm.stage_timer, 'communication_control'):
+        sums = comm.control_sum(local, 'the start')
+        if (sums == comm.size * local).all():
+            return
         states = comm.arrive((optimizer.t, optimizer.resuming), deadline,
                              'K-FAC iteration {}'.format(optimizer.t + 1))
-    if len(set(states)) == 1:
-        return
     loaded = [rank for rank, (_, resuming) in enumerate(states) if resuming]
     raise ValueError(
         'the ranks are at different iterations or not all resume a '

@@ -64,8 +64,8 @@ class HybridParallelStages(stages.Stages):
 
     ``communicator`` comes from :func:`~chainerkfac.create_communicator`;
     ``max_load_imbalance`` (splitting large blocks over ranks) and
-    ``arrival_deadline`` (seconds the ranks wait for each other at the start
-    of an update) are on the options page (``docs/options.md``).
+    ``arrival_deadline`` (seconds the ranks wait for each other in a
+    collective of the step) are on the options page (``docs/options.md``).
     """
 
     def __init__(self, communicator, max_load_imbalance=1.1,
