@@ -104,11 +104,9 @@ def worker(args):
 
 
 def _control_cost(comm, opt, repeats=50):
-    """Median seconds, over ``repeats`` tries, of the update's control
-    messages (the start's check of the iteration, the step's agreement)
-    when the ranks arrive together (after a barrier): their own cost,
-    without the waiting for a slower rank that a step's ``control``
-    stage also holds."""
+    """Median seconds of an update's control messages (the start's
+    check, the agreement) with the ranks arriving together: without the
+    wait for a slower rank that a step's ``control`` stage holds."""
     from chainerkfac.distributed import consistency
     times = []
     for _ in range(repeats):

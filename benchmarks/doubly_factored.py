@@ -23,25 +23,17 @@ warm-up step; the library's timing hook), and the bytes the block holds
 ``--standard-max`` wide inputs; above, its bytes are counted from its
 shapes (three ``d x d`` float32 arrays) and its time is not measured.
 
-``train``: a VGG-style network on the shapes task (24x24 colour, ten
-classes; ``--n-train`` training and 5,000 validation images): 3x3
-convolutions with BatchNorm and ReLU, 16-32 at 24x24, 2x2 max-pooling,
-64-64 at 12x12, pooling, 128-256 at 6x6, then ``fc1`` (9,216 = 256·6·6
-inputs, 256 outputs, ReLU) and ``fc2`` (10). The compare_shapes.py recipe
-(batch 256, linear warm-up over 2 epochs then cosine decay to 0, weight
-decay 5e-4, momentum 0.9; 10 epochs of 8,000 images): MomentumSGD over a
-grid of base learning rates (``--lrs-sgd``), and K-FAC with
-``doubly_factored_from=8192`` (fc1's block ``Ψ`` 256 x 256, ``K`` 36 x 36
-in place of ``A ⊗ G``, ``A`` 9,217 x 9,217) under ``compare_shapes.py``'s
-step of fixed KL change: with factors every step
-(``kfac_doubly_kl_step``), with the default adaptive intervals
-(``kfac_doubly_kl_step_adaptive``: the defaults with the doubly-factored
-block) and with the KL change per step that the run's length sets
-(``kfac_doubly_kl_run``), at ``--lrs-kfac``: MomentumSGD's best and
-K-FAC's own. Each run keeps its per-epoch validation accuracy and loss,
-training seconds and its K-FAC stage seconds; runs are kept in
-``results/doubly_factored.json`` as they end and not repeated (runs of
-rows this script no longer has stay there, and in the report).
+``train``: a VGG-style network (``VGGStyle``: 3x3 convolutions with
+BatchNorm, 16-32 at 24x24, 64-64 at 12x12, 128-256 at 6x6, ``fc1`` on its
+9,216 inputs, ``fc2``) on the shapes task (``--n-train`` images, 10
+epochs) under compare_shapes.py's recipe at batch 256: MomentumSGD over
+``--lrs-sgd``, and K-FAC with ``doubly_factored_from=8192`` (fc1's ``Ψ``
+256 x 256 and ``K`` 36 x 36 in place of a 9,217 x 9,217 ``A``) under
+compare_shapes.py's step of fixed KL change with factors every step
+(``kfac_doubly_kl_step``), the default intervals
+(``kfac_doubly_kl_step_adaptive``) and the KL change per step that the
+run's length sets (``kfac_doubly_kl_run``), at ``--lrs-kfac``. Runs are
+kept in ``results/doubly_factored.json`` as they end, not repeated.
 """
 import argparse
 import multiprocessing

@@ -13,15 +13,11 @@ the one-line swap (``kfac_kl_step_adaptive``, compare_shapes.py's row of
 the defaults) train at the same base learning rate, MomentumSGD's best on
 compare_shapes.py (1.6 at batch 256).
 
-The report gives, per optimizer and per model (``live``, ``avg 0.99``,
-...): the final validation accuracy and loss and the accuracy after half
-the epochs (means over seeds), the median epochs to the target,
-MomentumSGD's live final accuracy in these runs minus 0.5 point
-(compare_shapes.py's rule, over this script's runs), with the seeds that
-reach it, and what folding the averages cost next to the training steps.
-Runs are kept in ``results/polyak_shapes.json`` as they end and not
-repeated (runs of rows this script no longer has stay there, out of the
-report).
+The report gives, per optimizer and model (``live``, ``avg 0.99``, ...):
+the final accuracy and loss, the accuracy at half the epochs, the median
+epochs to MomentumSGD's live final accuracy less 0.5 point, and what
+folding the averages cost. Runs are kept in ``results/polyak_shapes.json``
+as they end, not repeated.
 """
 import argparse
 import multiprocessing
