@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import re
+import typing
 import zipfile
 import zlib
 
@@ -90,15 +91,23 @@ class Resume:
                                  ', '.join(map(str, missing))))
 
 
+class Writer(typing.NamedTuple):
+    """The process that wrote a snapshot file."""
+
+    rank: int
+    size: int
+    #: The layers whose curvature the file holds, when written by another
+    #: number of processes; ``None``: every layer loads, as saved.
+    held: typing.Optional[set]
+
+
 def check_header(state, mine, blocks):
     """Checks a snapshot's header (in ``state``) against this run's
     (``mine``, from :func:`header`).
 
-    Returns False when the snapshot has no K-FAC state at all (another
-    optimizer's), else ``(rank, size, names)`` of the process that wrote
-    it, ``names`` the layers whose curvature it holds when written by
-    another number of processes (else ``None``: every layer loads, as
-    saved). A snapshot of another :data:`FORMAT` is refused, naming it.
+    Returns ``None`` when the snapshot has no K-FAC state at all
+    (another optimizer's), else the :class:`Writer` of the file. A
+    snapshot of another :data:`FORMAT` is refused, naming it.
     """
     try:
         saved_format = int(state['header']('format', 0))
@@ -110,7 +119,7 @@ def check_header(state, mine, blocks):
         except KeyError:
             if not blocks or not blocks[0].in_snapshot(
                     state[blocks[0].name]):
-                return False
+                return None
         saved_format = 1
     if saved_format != FORMAT:
         raise ValueError(
@@ -129,9 +138,9 @@ def check_header(state, mine, blocks):
                 'rank {} of {}: on as many processes each loads its own '
                 'file (.rank<R>)'.format(saved_rank, saved_size,
                                          mine['rank'], mine['world_size']))
-        return saved_rank, saved_size, None
+        return Writer(saved_rank, saved_size, None)
     names = str(state['header']('held', ''))
-    return saved_rank, saved_size, set(names.split('; ')) - {''}
+    return Writer(saved_rank, saved_size, set(names.split('; ')) - {''})
 
 
 def serialize(serializer, optimizer, momentum, resume, parts):
@@ -156,13 +165,13 @@ def serialize(serializer, optimizer, momentum, resume, parts):
     rank, size = optimizer.stages.rank_and_size()
     mine = header(rank, size, optimizer.inverse, optimizer.bn_fisher,
                   blocks)
-    found = loading and check_header(state, mine, blocks)
+    found = check_header(state, mine, blocks) if loading else None
     if not loading:
         for key, value in mine.items():
             state['header'](key, value)
         state['header']('held', held(blocks))
     momentum()
-    if loading and not found:
+    if loading and found is None:
         logger.warning('the snapshot holds no K-FAC state (another '
                        "optimizer's?): momentum and step count loaded, "
                        'the curvature starts afresh')
@@ -172,12 +181,11 @@ def serialize(serializer, optimizer, momentum, resume, parts):
     serialize_step_rule(state, optimizer.step_rule, optimizer.damping,
                         loading)
     names = {block.name for block in blocks}
-    if found:
-        saved_rank, saved_size, held_names = found
-        names = names if held_names is None else held_names
+    if found is not None:
+        names = names if found.held is None else found.held
         if resume is None:
-            resume = Resume(saved_size)
-        resume.add(saved_rank, saved_size, names)
+            resume = Resume(found.size)
+        resume.add(found.rank, found.size, names)
     for block in blocks:
         if block.name in names:
             block.serialize(state[block.name])
