@@ -94,6 +94,9 @@ OPTIMIZERS = {
                      'step_rule': 'kl_graft'},
     # The same with the default adaptive intervals: the defaults.
     'kfac_kl_step_adaptive': _KL_STEP_ADAPTIVE,
+    # The defaults with the natural rule: the natural direction at the
+    # bound's KL change wherever the natural step at lr is longer.
+    'kfac_kl_step_natural': dict(_KL_STEP_ADAPTIVE, step_rule='natural'),
     # The same with the KL change per step that the run's length sets:
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
@@ -114,7 +117,7 @@ ROWS = tuple(OPTIMIZERS)
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'navy', 'darkgoldenrod', 'olive',
-                          'teal', 'darkred', 'salmon')))
+                          'purple', 'teal', 'darkred', 'salmon')))
 assert len(COLOURS) == len(ROWS)
 #: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
 #: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).

@@ -20,8 +20,9 @@ budget grows with the batch as the paper's did: its epochs times 20/35
 - ``kfac_kl_step`` and ``kfac_kl_step_adaptive``: ``compare_shapes.py``'s
   step of fixed KL change (its options and bound, at that batch), with
   factors every step and with the default adaptive intervals (the
-  defaults: the one-line swap, ``KFAC(lr, 0.9)``), with the same recipe
-  at ``sgd``'s best base learning rate at that batch;
+  defaults: the one-line swap, ``KFAC(lr, 0.9)``), and
+  ``kfac_kl_step_natural``, the defaults with ``step_rule='natural'``,
+  with the same recipe at ``sgd``'s best base learning rate at that batch;
 - ``kfac_paper``: the paper's recipe at that batch: the natural step, no
   bound, factors every step (``cov_ema_decay`` 0), the diagonal BatchNorm
   Fisher with its damping times 16, the polynomial learning-rate decay, the
@@ -74,13 +75,14 @@ EPOCH_SCALE = 20 / 35
 WARMUP_EPOCHS = 2
 #: Seeds at each row's best setting.
 SEEDS = 2
-ROWS = ('sgd', 'kfac_paper', 'kfac_kl_step', 'kfac_kl_step_adaptive')
+ROWS = ('sgd', 'kfac_paper', 'kfac_kl_step', 'kfac_kl_step_adaptive',
+        'kfac_kl_step_natural')
 KFAC_ROWS = ROWS[1:]
 #: The one-line swaps: at MomentumSGD's best learning rate at each batch,
 #: with ``compare_shapes.py``'s bound of the step of fixed KL change.
-SWAPS = ('kfac_kl_step', 'kfac_kl_step_adaptive')
+SWAPS = ('kfac_kl_step', 'kfac_kl_step_adaptive', 'kfac_kl_step_natural')
 COLOURS = dict(zip(ROWS, ('tab:blue', 'crimson', 'tab:green',
-                          'tab:olive')))
+                          'tab:olive', 'purple')))
 
 
 def config(batch):
@@ -295,6 +297,7 @@ def report(summary):
         'batch (steps an epoch, epochs)', 'MomentumSGD (base lr)',
         'paper\'s recipe (lr multiplier)', 'kfac_kl_step (base lr)',
         'kfac_kl_step_adaptive, the one-line swap (base lr)',
+        'kfac_kl_step_natural (base lr)',
         'better K-FAC / MomentumSGD (median epochs)']))
     critical = summary['critical_batch']
     lines += ['', 'Critical batch: ' + ', '.join(
