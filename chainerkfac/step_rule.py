@@ -96,6 +96,8 @@ class Sums(typing.NamedTuple):
         """The sums with the blocks at ``indices`` zero (a frozen block
         takes no step, so its sums count in neither ``ρ`` nor ``q``)."""
         indices = list(indices)
+        if not indices:
+            return self
 
         def cleared(vector):
             vector = vector.copy()

@@ -172,18 +172,18 @@ class KfacCommunicatorMixin(abc.ABC):
         communicator's own duplicate of its MPI communicator)."""
         return arrival.rendezvous(self._arrival_comm, value, deadline, what)
 
-    def control_sum(self, values, collective='the agreement'):
+    def control_sum(self, values, at_start=False):
         """The float64 sums over ranks of a few numbers ``values`` (not in
         :attr:`bytes_moved`), within the :attr:`watch`'s deadline; those
-        of ``'the start'`` on a communicator of their own."""
+        of an update's start (``at_start``) on a communicator of their
+        own, which no rank still in the last step's collectives uses."""
         import mpi4py.MPI
         buf = numpy.array(values, dtype=numpy.float64)
-        start = collective == 'the start'
-        comm = self._arrival_comm if start else self.mpi_comm
+        comm = self._arrival_comm if at_start else self.mpi_comm
         if self.size > 1:
             self.watch.wait(comm.Iallreduce(
-                mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.SUM), collective,
-                start)
+                mpi4py.MPI.IN_PLACE, buf, op=mpi4py.MPI.SUM),
+                'the start' if at_start else 'the agreement', at_start)
         return buf
 
     # Byte counters.

@@ -97,7 +97,7 @@ def check_same_step(comm, optimizer, deadline):
     t, resuming = optimizer.t, int(optimizer.resuming)
     local = numpy.array([t, t * t, resuming], dtype=numpy.float64)
     with timing.timed(comm.stage_timer, 'communication_control'):
-        sums = comm.control_sum(local, 'the start')
+        sums = comm.control_sum(local, at_start=True)
         if (sums == comm.size * local).all():
             return
         states = comm.arrive((optimizer.t, optimizer.resuming), deadline,
