@@ -4,13 +4,9 @@ BLAS parallelises each matrix call over its threads. That pays for large
 calls only: for the many modest inverses and preconditioning products of a
 K-FAC step, handing work between OpenBLAS threads costs more than it saves,
 and far more when another process competes for the cores (its threads then
-spin waiting for each other). Measured on this project's 2-core machine,
-inverting every factor of ResNet-50 with each width divided by 4 took 0.21 s
-with 2 BLAS threads on a quiet machine but 0.49-0.74 s beside one busy
-process, and 0.25 s either way with one BLAS thread per block and the blocks
-on two Python threads; the three 4608 x 4608 factors of the full ResNet-50,
-on the other hand, invert in 0.93 s each with 2 BLAS threads and 1.83 s
-with one.
+spin waiting for each other); the largest factors still gain from every
+thread (the figures: benchmarks/tuning_measurements.md, "The cost of a
+K-FAC step").
 
 So :func:`map_blocks` runs a block whose work reaches :data:`SERIAL_FLOPS`
 on the calling thread with every BLAS thread, and spreads the smaller ones,

@@ -16,21 +16,16 @@ KINDS = {'kronecker': 2, 'doubly_factored': 3, 'diagonal': 1, 'full': 1}
 
 #: How much longer an operation of LAPACK's ``potrf``/``potri`` takes than
 #: one of a matrix product, as :meth:`BlockCost.shard_costs` charges the
-#: refresh of a split block's owner. Measured with one BLAS thread
-#: (OpenBLAS, float32): ``potrf`` 42 GFLOP/s at d = 785 and 2048, 67 at
-#: 4608; ``potri`` 51-79; GEMM 97-106. Counted like products, a split looked
-#: cheaper than it was: under ``mpiexec -n 2`` with inverses every step, the
-#: owner of a split 785 x 2048 layer spent 0.25 s on explicit inverses where
-#: the unsplit block took 0.22 s for its Cholesky factors and products.
+#: refresh of a split block's owner: counted like products, a split looks
+#: cheaper than it is (benchmarks/tuning_measurements.md, "The cost of a
+#: K-FAC step").
 LAPACK_SLOWDOWN = 2.0
 
 #: The size from which the ranks of a split block share its larger
 #: factor's Cholesky factorization (:mod:`chainerkfac.distributed.cholesky`)
 #: rather than leave it to the owner. Below it one message per panel and
 #: the chain of panel factorizations cost more than the shared operations
-#: save: two ranks (float32, one BLAS thread each) took 2.0, 1.48, 0.91 and
-#: 0.75 times the time of ``potrf`` on one rank at d = 257, 513, 769 and
-#: 1152, and 0.49 at 4608.
+#: save.
 SHARED_FACTORIZATION_MIN_DIM = 1024
 
 

@@ -149,9 +149,7 @@ class KroneckerBlock(base.FisherBlock):
         gram = row_sums = None
         count = samples = 0
         # A GPU has the memory for the whole batch's columns, and each
-        # product costs kernel launches: one product there (ResNet-50 on
-        # an H100, statistics of a refresh step with im2col: 0.35 s in
-        # chunks, 0.19 s whole; benchmarks/results/gpu/).
+        # product costs kernel launches: one product there.
         chunks = (sample_chunks(len(batch), dim, positions)
                   if backend.get_array_module(batch) is numpy
                   else [slice(0, len(batch))])

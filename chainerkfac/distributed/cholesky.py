@@ -43,10 +43,8 @@ from chainerkfac import linalg
 #: Panels per rank. With one, the middle ranks would do most of the
 #: trailing updates (about 1.5x the mean); more panels even the updates out
 #: and shorten each step of the chain that the panels' own factorizations
-#: form, until thin products cost more. Measured with 2 ranks (float32, one
-#: BLAS thread each, medians of 15), against ``potrf`` on one rank: 4, 8,
-#: 12 and 16 panels a rank took 0.54, 0.49, 0.47, 0.49 of its time at
-#: d = 4608 and 0.89, 0.79, 0.77, 0.90 at d = 1152.
+#: form, until thin products cost more (the figures:
+#: benchmarks/tuning_measurements.md, "The cost of a K-FAC step").
 PANELS_PER_RANK = 8
 
 #: Narrower panels make the trailing updates slow, thin products.
