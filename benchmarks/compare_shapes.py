@@ -30,9 +30,10 @@ learning rates the bound sets the step, the natural direction scaled to
 the KL change the reference's steps nearly have. ``--kl-step-adaptive
 LRS`` adds the same with the default adaptive intervals
 (``kfac_kl_step_adaptive``: the defaults, ``KFAC(lr, momentum)``, the
-one-line swap); ``--kl-run LRS`` the latter with the KL change per step
-that the run's length ``T`` sets, ``KL_BUDGET / T`` at every batch
-(``kfac_kl_run``; at 20 epochs, about ``kfac_kl_step_adaptive``'s).
+one-line swap), ``--swap-before LRS`` the defaults before ``kl_graft``'s
+KL change grew like the batch (``kfac_swap_before``); ``--kl-run LRS`` the
+defaults with the KL change per step that the run's length ``T`` sets,
+``KL_BUDGET / T`` at every batch (``kfac_kl_run``).
 
 ``--quadratic-model`` adds K-FAC whose step length, momentum and damping
 come from the loss's quadratic model at every step
@@ -80,6 +81,18 @@ WEIGHT_DECAY = 5e-4
 _KL_STEP_ADAPTIVE = {
     'damping': 1e-3, 'factor_interval': chainerkfac.schedules.Adaptive(),
     'inverse_interval': 1, 'step_rule': 'kl_graft'}
+
+
+class KLGraftBefore(chainerkfac.step_rule.KLGraft):
+    """``kl_graft`` as the defaults had it before its KL change grew like
+    the batch: at every batch the grafted step's KL change as at ``B₀``."""
+
+    name = 'kl_graft'
+
+    def scales(self, sums, batch=None):
+        return super().scales(sums)
+
+
 #: name -> K-FAC options; ``sgd`` is MomentumSGD.
 OPTIMIZERS = {
     'sgd': None,
@@ -97,6 +110,9 @@ OPTIMIZERS = {
     # The defaults with the natural rule: the natural direction at the
     # bound's KL change wherever the natural step at lr is longer.
     'kfac_kl_step_natural': dict(_KL_STEP_ADAPTIVE, step_rule='natural'),
+    # The defaults before kl_graft's KL change grew like the batch.
+    'kfac_swap_before': dict(_KL_STEP_ADAPTIVE,
+                             step_rule=KLGraftBefore),
     # The same with the KL change per step that the run's length sets:
     # KL_BUDGET over its steps (guard_options).
     'kfac_kl_run': _KL_STEP_ADAPTIVE,
@@ -117,7 +133,7 @@ ROWS = tuple(OPTIMIZERS)
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
 COLOURS = dict(zip(ROWS, ('tab:blue', 'navy', 'darkgoldenrod', 'olive',
-                          'purple', 'teal', 'darkred', 'salmon')))
+                          'purple', 'grey', 'teal', 'darkred', 'salmon')))
 assert len(COLOURS) == len(ROWS)
 #: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
 #: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).
@@ -167,10 +183,10 @@ class UnitsProbe(chainerkfac.step_rule.Natural):
     def __init__(self):
         self.kl_graft_scales = []
 
-    def scales(self, sums):
+    def scales(self, sums, batch=None):
         self.kl_graft_scales.append(float(
-            chainerkfac.step_rule.KLGraft().scales(sums)[0]))
-        return super().scales(sums)
+            chainerkfac.step_rule.KLGraft().scales(sums, batch)[0]))
+        return super().scales(sums, batch)
 
 
 def schedule_factor(iteration, total, warmup):
@@ -532,6 +548,9 @@ def main(argv=None):
                         help='base lrs of the same with the default '
                         'adaptive intervals (kfac_kl_step_adaptive: the '
                         'defaults)')
+    parser.add_argument('--swap-before', default=None,
+                        help='base lrs of the defaults before kl_graft\'s '
+                        'KL change grew like the batch (kfac_swap_before)')
     parser.add_argument('--kl-run', default=None,
                         help='base lrs of the same with the KL change per '
                         'step that the run\'s length sets (kfac_kl_run: '
@@ -571,6 +590,7 @@ def main(argv=None):
             ('kfac_reference', args.reference, None),
             ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
             ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
+            ('kfac_swap_before', args.swap_before, KL_STEP_CLIP),
             ('kfac_kl_run', args.kl_run, KL_BUDGET)):
         specs += [(name, float(lr), bound, batch, seed, args.epochs,
                    args.warmup)

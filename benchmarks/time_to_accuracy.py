@@ -178,7 +178,13 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # The same with the defaults' adaptive factor intervals.
               'kfac_adaptive_kl_step': lambda batch:
                   compare_shapes.kl_step_options(batch,
-                                                 'kfac_kl_step_adaptive')}
+                                                 'kfac_kl_step_adaptive'),
+              # The defaults before kl_graft's KL change grew like the
+              # batch.
+              'kfac_adaptive_kl_step_before': lambda batch: dict(
+                  compare_shapes.kl_step_options(batch,
+                                                 'kfac_kl_step_adaptive'),
+                  step_rule=compare_shapes.KLGraftBefore())}
 
 
 def make_optimizer(name, lr, intervals, batch):

@@ -19,12 +19,18 @@ step::
 * :class:`KLGraft` (``'kl_graft'``, the default): the natural direction
   over all blocks together, with the KL change of layer-wise grafting's
   step (Agarwal et al. 2020 §3: each block as long as SGD's step
-  ``η g_b``, ``ρ_b = ‖g_b‖ / ‖V_b‖``), one scale for every block::
+  ``η g_b``, ``ρ_b = ‖g_b‖ / ‖V_b‖``) grown like the batch, one scale for
+  every block::
 
-      ρ² = Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
+      ρ² = (B / B₀) Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
 
   The learning rate keeps SGD's units, while the curvature divides the
-  step among the layers as the natural step does.
+  step among the layers as the natural step does. The factor ``B / B₀``
+  is the bound's (below): the grafted step's KL change falls like ``1/B``
+  with the gradient's noise, and the step keeps it, as SGD's
+  square-root scaling of the learning rate does (Krizhevsky 2014; Hoffer
+  et al. 2017), so that at large batches the bound, not SGD's length,
+  sets the step.
 * :class:`Natural` (``'natural'``): ``ρ_b = 1``, the natural-gradient step
   ``η F̂⁻¹ g`` of Osawa et al. (2019), whose length the learning rate, the
   curvature and the damping set together.
@@ -136,9 +142,10 @@ class StepRule:
     #: rule's ``α`` would undo it).
     chooses_update = False
 
-    def scales(self, sums):
+    def scales(self, sums, batch=None):
         """``ρ`` per block (a NumPy vector) from the :class:`Sums` over
-        every process."""
+        every process, at the step's global batch ``batch`` (``None``: not
+        known, taken as :data:`REFERENCE_BATCH`)."""
         raise NotImplementedError
 
     def __repr__(self):
@@ -150,7 +157,7 @@ class Natural(StepRule):
 
     name = 'natural'
 
-    def scales(self, sums):
+    def scales(self, sums, batch=None):
         return numpy.ones(len(sums.vg))
 
 
@@ -163,19 +170,20 @@ def grafted(vv, gg):
 
 
 class KLGraft(StepRule):
-    """``ρ_b = sqrt(Σ_c (‖g_c‖² / ‖V_c‖²) ⟨V_c, g_c⟩ / Σ_c ⟨V_c, g_c⟩)``
-    for every block ``b``: the natural direction, as long in KL change as
-    layer-wise grafting's step."""
+    """``ρ_b = sqrt((B / B₀) Σ_c (‖g_c‖² / ‖V_c‖²) ⟨V_c, g_c⟩ / Σ_c ⟨V_c,
+    g_c⟩)`` for every block ``b``: the natural direction, as long in KL
+    change as layer-wise grafting's step times ``B / B₀``."""
 
     name = 'kl_graft'
 
-    def scales(self, sums):
+    def scales(self, sums, batch=None):
+        grown = (batch or REFERENCE_BATCH) / REFERENCE_BATCH
         total = sums.vg.sum()
         if not total > 0:
-            return numpy.ones(len(sums.vg))
+            return numpy.full(len(sums.vg), math.sqrt(grown))
         rho = grafted(sums.vv, sums.gg)
-        return numpy.full(len(sums.vg),
-                          numpy.sqrt((rho ** 2 * sums.vg).sum() / total))
+        return numpy.full(len(sums.vg), numpy.sqrt(
+            grown * (rho ** 2 * sums.vg).sum() / total))
 
 
 def kl_estimate(rho, sums, lr, loss_scale=None):
@@ -211,11 +219,12 @@ class Length(typing.NamedTuple):
                 'kfac/step_scale': typical(self.rho)}
 
 
-def length(rule, sums, lr, bound, loss_scale=None):
+def length(rule, sums, lr, bound, loss_scale=None, batch=None):
     """The :class:`Length` of the step by ``rule`` from the :class:`Sums`
-    ``sums`` at learning rate ``lr`` and bound ``κ_t`` ``bound`` (``None``:
-    off), the gradients carrying ``loss_scale``."""
-    rho = rule.scales(sums)
+    ``sums`` at learning rate ``lr``, bound ``κ_t`` ``bound`` (``None``:
+    off) and global batch ``batch``, the gradients carrying
+    ``loss_scale``."""
+    rho = rule.scales(sums, batch)
     q = kl_estimate(rho, sums, lr, loss_scale)
     return Length(rho, scale(q, bound), q)
 

@@ -115,16 +115,19 @@ def test_schedule_extensions_change_the_step():
 
 
 def test_rule_scales_from_sums():
-    # kl_graft: one ρ² = Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ / Σ_b ⟨V_b, g_b⟩
-    # for every block, a zero V counting with ρ_b = 1; natural: 1.
+    # kl_graft: one ρ² = (B / 64) Σ_b (‖g_b‖² / ‖V_b‖²) ⟨V_b, g_b⟩ /
+    # Σ_b ⟨V_b, g_b⟩ for every block, a zero V counting with ρ_b = 1, an
+    # unknown batch taken as 64; natural: 1.
     sums = step_rule.Sums.of([[2.0, 4.0, 9.0], [0.0, 0.0, 0.0],
                               [3.0, 1.0, 4.0]])
     rho2 = (9 / 4 * 2 + 4 / 1 * 3) / 5
-    numpy.testing.assert_allclose(step_rule.KLGraft().scales(sums),
-                                  [numpy.sqrt(rho2)] * 3, rtol=1e-14)
+    for batch, grown in ((None, 1.0), (64, 1.0), (256, 4.0), (32, 0.5)):
+        numpy.testing.assert_allclose(
+            step_rule.KLGraft().scales(sums, batch),
+            [numpy.sqrt(grown * rho2)] * 3, rtol=1e-14)
     assert list(step_rule.KLGraft().scales(sums.without([0, 2]))) == \
         [1.0] * 3
-    assert list(step_rule.Natural().scales(sums)) == [1.0] * 3
+    assert list(step_rule.Natural().scales(sums, 256)) == [1.0] * 3
     # q = η² Σ_b ρ_b² ⟨V_b, g_b⟩ / s²
     assert step_rule.kl_estimate(numpy.array([1.0, 5.0, 2.0]), sums, 0.1,
                                  loss_scale=2.0) == \

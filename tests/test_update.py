@@ -58,7 +58,9 @@ def dense_step_scales(rule, solved, kl_clip, lr, batch):
         grafted = sum(numpy.vdot(g, g) / numpy.vdot(V, V) * numpy.vdot(V, g)
                       for g, V in solved.values())
         natural = sum(numpy.vdot(V, g) for g, V in solved.values())
-        rho = {name: numpy.sqrt(grafted / natural) for name in solved}
+        # ... grown like the batch: B / 64.
+        rho = {name: numpy.sqrt(batch / 64 * grafted / natural)
+               for name in solved}
     kl = lr ** 2 * sum(rho[name] ** 2 * numpy.vdot(V, g)
                        for name, (g, V) in solved.items())
     nu = 1.0 if kl_clip is None else \

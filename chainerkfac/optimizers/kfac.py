@@ -376,7 +376,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         kappa = None if self.step_rule.chooses_update else \
             self._bound(hp.kl_clip, hp.lr, batch or None)
         step = step_rule_module.length(self.step_rule, sums, hp.lr, kappa,
-                                       scale)
+                                       scale, batch or None)
         step_rule_module.rescale(self.blocks, step.rho * step.nu)
         chainer.report(dict(refresh.report(rates, refreshed), **step.report(),
                             **{'kfac/damping': hp.damping}))

@@ -138,7 +138,7 @@ class QuadraticModel(step_rule.StepRule):
         return LevenbergMarquardt(damping, self.interval,
                                   bounds=(self.min_damping, 1e8))
 
-    def scales(self, sums):
+    def scales(self, sums, batch=None):
         return numpy.ones(len(sums.vg))
 
     # -- called by the optimizer around its step ----------------------------
