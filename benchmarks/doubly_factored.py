@@ -68,6 +68,13 @@ OPTIMIZERS = {'sgd': None,
                   compare_shapes.kl_step_options(batch,
                                                  'kfac_kl_step_adaptive'),
                   doubly_factored_from=WIDTH),
+              # The defaults before kl_graft's KL change grew like the
+              # batch.
+              'kfac_doubly_swap_before': lambda batch, steps: dict(
+                  compare_shapes.kl_step_options(batch,
+                                                 'kfac_kl_step_adaptive'),
+                  step_rule=compare_shapes.KLGraftBefore(),
+                  doubly_factored_from=WIDTH),
               # The same with the KL change per step that the run's length
               # sets: compare_shapes.KL_BUDGET over its steps.
               'kfac_doubly_kl_run': lambda batch, steps: dict(

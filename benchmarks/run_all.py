@@ -33,16 +33,18 @@ DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
 FIGURES = os.path.join(ROOT, 'docs', 'benchmarks_figures')
 #: The time-to-accuracy run shown, and its rows: MomentumSGD and the
 #: defaults (the row's name in that run).
-TTA_VARIANT = 'kl_step'
-TTA_ROWS = ('sgd', 'kfac_adaptive_kl_step')
+TTA_VARIANT = 'kl_graft_batch'
+TTA_ROWS = ('sgd', 'kfac_adaptive_kl_step', 'kfac_adaptive_kl_step_before')
 #: The rows of ``compare_shapes.py`` shown, in this order: MomentumSGD,
 #: K-FAC tuned by hand and the one-line swap at the defaults (the other
 #: rows stay in its JSON and in the measurements).
-SHAPES_ROWS = ('sgd', 'kfac_reference', 'kfac_kl_step_adaptive')
+SHAPES_ROWS = ('sgd', 'kfac_reference', 'kfac_kl_step_adaptive',
+               'kfac_swap_before')
 #: The rows of ``doubly_factored.py``'s training shown: MomentumSGD and
 #: the defaults with the doubly-factored fc1, at the bound of the batch
 #: and at the one of the run's length.
-DOUBLY_ROWS = ('sgd', 'kfac_doubly_kl_step_adaptive', 'kfac_doubly_kl_run')
+DOUBLY_ROWS = ('sgd', 'kfac_doubly_kl_step_adaptive',
+               'kfac_doubly_swap_before', 'kfac_doubly_kl_run')
 
 
 def commands(full):
@@ -197,7 +199,9 @@ def write_doc(full):
                   'Medians over the seeds of the best learning rate of each '
                   'grid; wall-clock counts training steps only. '
                   '`kfac_adaptive_kl_step` is `KFAC(lr, momentum)` at '
-                  'the defaults.', '']
+                  'the defaults, `kfac_adaptive_kl_step_before` the '
+                  'defaults before `kl_graft`\'s KL change grew like the '
+                  'batch.', '']
         for task, entry in tta['tasks'].items():
             lines += _tta_task(task, entry, TTA_ROWS)
     lines += _shapes_section(shapes)
@@ -297,7 +301,9 @@ def _shapes_section(shapes):
         '24x24), model {2}; every row with the same recipe: learning rate '
         '{3}, momentum {4}, weight decay {5}, {6} epochs ({7} of warm-up). '
         '`kfac_kl_step_adaptive` is the one-line swap, '
-        '`KFAC(lr, momentum)` at the defaults, at '
+        '`KFAC(lr, momentum)` at the defaults, and `kfac_swap_before` '
+        'the defaults before `kl_graft`\'s KL change grew like the '
+        'batch, at '
         'MomentumSGD\'s best base learning rate (its row the best of its '
         'grid); `kfac_reference` K-FAC tuned by hand (the natural step, '
         'damping 1e-3, factors every step, no bound). Seconds count '
