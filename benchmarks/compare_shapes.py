@@ -87,8 +87,6 @@ class KLGraftBefore(chainerkfac.step_rule.KLGraft):
     """``kl_graft`` as the defaults had it before its KL change grew like
     the batch: at every batch the grafted step's KL change as at ``B₀``."""
 
-    name = 'kl_graft'
-
     def scales(self, sums, batch=None):
         return super().scales(sums)
 
@@ -161,13 +159,17 @@ KL_BUDGET = 3.1
 def kl_step_options(batch, name='kfac_kl_step', steps=None):
     """The K-FAC options of row ``name`` (``kfac_kl_step``,
     ``kfac_kl_step_adaptive`` or ``kfac_kl_run``, whose bound needs the
-    run's ``steps``) at global batch ``batch``, for the other benchmarks
-    that measure the same rows."""
+    run's ``steps``; ``kfac_swap_before``, whose rule is a class: each call
+    gets an instance of its own) at global batch ``batch``, for the other
+    benchmarks that measure the same rows."""
     if name == 'kfac_kl_run' and steps is None:
         raise ValueError('kfac_kl_run\'s bound needs the run\'s steps')
     budget = KL_BUDGET if name == 'kfac_kl_run' else KL_STEP_CLIP
-    return dict(OPTIMIZERS[name],
-                **guard_options(name, budget, batch, steps))
+    options = dict(OPTIMIZERS[name],
+                   **guard_options(name, budget, batch, steps))
+    if callable(options['step_rule']):
+        options['step_rule'] = options['step_rule']()
+    return options
 
 
 _DATA = {}

@@ -71,9 +71,7 @@ OPTIMIZERS = {'sgd': None,
               # The defaults before kl_graft's KL change grew like the
               # batch.
               'kfac_doubly_swap_before': lambda batch, steps: dict(
-                  compare_shapes.kl_step_options(batch,
-                                                 'kfac_kl_step_adaptive'),
-                  step_rule=compare_shapes.KLGraftBefore(),
+                  compare_shapes.kl_step_options(batch, 'kfac_swap_before'),
                   doubly_factored_from=WIDTH),
               # The same with the KL change per step that the run's length
               # sets: compare_shapes.KL_BUDGET over its steps.

@@ -181,10 +181,8 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                                                  'kfac_kl_step_adaptive'),
               # The defaults before kl_graft's KL change grew like the
               # batch.
-              'kfac_adaptive_kl_step_before': lambda batch: dict(
-                  compare_shapes.kl_step_options(batch,
-                                                 'kfac_kl_step_adaptive'),
-                  step_rule=compare_shapes.KLGraftBefore())}
+              'kfac_adaptive_kl_step_before': lambda batch:
+                  compare_shapes.kl_step_options(batch, 'kfac_swap_before')}
 
 
 def make_optimizer(name, lr, intervals, batch):

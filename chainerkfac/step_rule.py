@@ -74,6 +74,12 @@ N_TERMS = len(TERMS)
 REFERENCE_BATCH = 64
 
 
+def batch_ratio(batch):
+    """``B / B₀``, by which the bound and ``kl_graft``'s KL change grow
+    (``batch`` ``None``: not known, taken as ``B₀``)."""
+    return (batch or REFERENCE_BATCH) / REFERENCE_BATCH
+
+
 def block_sums(preconditioned, gradient):
     """``[⟨V, g⟩, ⟨V, V⟩, ⟨g, g⟩]`` for one block (or one part of a block:
     they add over parts), one row of the arrays' module, in the order of
@@ -177,7 +183,7 @@ class KLGraft(StepRule):
     name = 'kl_graft'
 
     def scales(self, sums, batch=None):
-        grown = (batch or REFERENCE_BATCH) / REFERENCE_BATCH
+        grown = batch_ratio(batch)
         total = sums.vg.sum()
         if not total > 0:
             return numpy.full(len(sums.vg), math.sqrt(grown))
@@ -246,7 +252,7 @@ class Bound:
         self.peak = max(self.peak, lr)
         if kl_clip is None:
             return None
-        grown = kl_clip * (batch or REFERENCE_BATCH) / REFERENCE_BATCH
+        grown = kl_clip * batch_ratio(batch)
         if not self.peak > 0:
             return grown  # no step yet: q is 0 too
         return grown * (lr / self.peak) ** 2

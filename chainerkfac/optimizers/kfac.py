@@ -371,12 +371,13 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             terms = self._stages.precondition(
                 self, hp.weight_decay * (scale or 1))
         terms, batch = self._stages.gather(self, terms, samples or 0)
+        batch = batch or None  # 0: not known
         sums = step_rule_module.Sums.of(terms).without(
             i for i, block in enumerate(self.blocks) if block.frozen())
         kappa = None if self.step_rule.chooses_update else \
-            self._bound(hp.kl_clip, hp.lr, batch or None)
+            self._bound(hp.kl_clip, hp.lr, batch)
         step = step_rule_module.length(self.step_rule, sums, hp.lr, kappa,
-                                       scale, batch or None)
+                                       scale, batch)
         step_rule_module.rescale(self.blocks, step.rho * step.nu)
         chainer.report(dict(refresh.report(rates, refreshed), **step.report(),
                             **{'kfac/damping': hp.damping}))
