@@ -17,9 +17,8 @@ from chainerkfac.distributed.arrival import ArrivalTimeout  # NOQA
 from chainerkfac.distributed.communicator import KfacCommunicatorMixin  # NOQA
 from chainerkfac.distributed.global_except_hook import (  # NOQA
     install_global_except_hook)
-from chainerkfac.distributed.multi_node_optimizer import (  # NOQA
-    HybridParallelStages)
 from chainerkfac.optimizers import kfac
+from chainerkfac.optimizers import stages
 
 
 def create_communicator(communicator_name='naive', mpi_comm=None,
@@ -93,8 +92,8 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
     """Makes an optimizer distributed, as ChainerMN's function of that name.
 
     For :class:`~chainerkfac.optimizers.KFAC` the optimizer itself is
-    returned, now running the hybrid-parallel stages of
-    :class:`HybridParallelStages` over ``communicator`` (with
+    returned, now running its :class:`~chainerkfac.optimizers.stages.Stages`
+    over ``communicator`` (with
     ``max_load_imbalance`` and ``arrival_deadline``, 30 minutes by default,
     see there); other optimizers are wrapped by
     :func:`chainermn.create_multi_node_optimizer` (data-parallel gradient
@@ -113,7 +112,7 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
                 'independent_processes=True: a distributed KFAC shares one '
                 'model and its curvature over the processes; leave '
                 'independent_processes False')
-        actual_optimizer.use_stages(HybridParallelStages(
+        actual_optimizer.use_stages(stages.Stages(
             _kfac_communicator(communicator), max_load_imbalance,
             arrival_deadline))
         return actual_optimizer

@@ -100,6 +100,51 @@ class Layout:
         carried (those the owner refreshed)."""
         return [f for f, _, _ in self.statistics.get(i, [])]
 
+    def pack_gather(self, blocks, mine, part_results):
+        """The all-gather's pieces of this rank's parts ``mine`` (``(block,
+        part)`` pairs, in order): a split block's part of ``V`` from
+        ``part_results``, an unsplit block's whole ``V``, and after each
+        owner's part the intervals of its refreshed factors."""
+        parts = []
+        for i, s in mine:
+            block = blocks[i]
+            piece = part_results.get(i) if i in self.splits else \
+                block.gradient()
+            if piece is not None:
+                parts.append(piece.ravel())
+            if s == 0:
+                parts.append(numpy.asarray(
+                    [block.schedules[f].interval or 0
+                     for f in self.refreshed_factors(i)]))
+        return parts
+
+    def unpack_gather(self, blocks, everything, places, step, dtype, keep):
+        """Writes each part's piece of ``V`` from the all-gather's buffer
+        ``everything`` (offsets ``places``, of :meth:`gather`) into the
+        blocks, a split block's parts assembled whole in ``dtype`` (an
+        unsplit block ``i`` keeps its own ``V`` where ``keep(i)``), and has
+        each refreshed factor's schedule follow the owner's interval at
+        ``step``."""
+        xp = backend.get_array_module(everything)
+        assembled = {i: xp.empty(self.shapes[i], dtype=dtype)
+                     for i in self.splits}
+        for (i, s), offset in places.items():
+            n_grad = self.part_size(i, s)
+            piece = everything[offset:offset + n_grad]
+            if i in assembled:
+                target = self.splits[i].part_of(assembled[i], s)
+                target[...] = piece.reshape(target.shape)
+            elif not keep(i):
+                blocks[i].set_gradient(piece.reshape(self.shapes[i]))
+            if s == 0:
+                factors = self.refreshed_factors(i)
+                intervals = everything[offset + n_grad:
+                                       offset + n_grad + len(factors)]
+                for f, interval in zip(factors, intervals.tolist()):
+                    blocks[i].schedules[f].follow(step, interval)
+        for i, grad in assembled.items():
+            blocks[i].set_gradient(grad)
+
     def gather(self, per_part, extra):
         """Where the all-gather puts what: ``(places, groups, slots,
         by_rank)``.
@@ -131,6 +176,24 @@ class Layout:
             slots.append(numpy.arange(offset, offset + n_terms))
             offset += n_terms
         return places, groups, slots, by_rank
+
+
+def sum_terms(values, slots, by_rank, n_blocks, n_terms):
+    """The gathered terms ``values`` (each rank's at ``slots[rank]``, its
+    parts ``by_rank[rank]``, of :meth:`Layout.gather`): ``n_terms`` per
+    part, then two numbers per rank. Returns the ``(n_blocks, n_terms)``
+    sums over the ranks' parts, in rank order, and the ranks' two numbers,
+    ``([first of each rank], [second of each rank])``."""
+    totals = numpy.zeros((n_blocks, n_terms))
+    firsts, seconds, offset = [], [], 0
+    for items, rank_slots in zip(by_rank, slots):
+        segment = values[offset:offset + len(rank_slots)]
+        offset += len(rank_slots)
+        for (i, _), row in zip(items, segment[:-2].reshape(-1, n_terms)):
+            totals[i] += row
+        firsts.append(int(segment[-2]))
+        seconds.append(segment[-1])
+    return totals, (firsts, seconds)
 
 
 def _pack(stat):

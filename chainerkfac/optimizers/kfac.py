@@ -115,7 +115,7 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         self.stage_timer = None
         self.blocks = []
         self._hook = None
-        self._stages = stages_module.LocalStages()
+        self._stages = stages_module.Stages()
         #: The snapshot files loaded since the last update
         #: (:class:`snapshot.Resume`), or ``None``.
         self._resume = None
