@@ -274,7 +274,8 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
             self.discard_statistics()
             self._stages.abandon(error)
             raise
-        self._clear_rows()
+        for block in self.blocks:  # the rows the step did not use
+            block.clear_rows()
         chainer.report({'kfac/skipped_steps': int(not taken)})
         if not taken:
             nonfinite.restore(running)
@@ -282,17 +283,12 @@ class KFAC(nonfinite.FiniteChecks, optimizer.GradientMethod):
         if taken:
             self._monitor.observe(self.t, mean_loss, scale)
 
-    def _clear_rows(self):
-        """Drops the rows the step's blocks did not use."""
-        for block in self.blocks:
-            block.clear_rows()
-
     def discard_statistics(self):
         """Drops the statistics and sample counts collected since the last
         step (of forward passes whose step did not happen)."""
         for block in self.blocks:
             block.discard_statistics()
-        self._clear_rows()
+            block.clear_rows()
         if self._hook is not None:
             self._hook.discard()
 
