@@ -32,22 +32,14 @@ class PolyakAveraging(extension.Extension):
 
     which is the exponential average started at zero and divided by its
     bias, ``w̄_t = z_t / (1 - dᵗ)`` with ``z_t = d z_{t-1} + (1 - d) w_t``,
-    ``z_0 = 0`` (Adam's correction, Kingma & Ba 2015 §3): the weights
-    ``d^{t-k} (1 - d) / (1 - dᵗ)`` of the iterates ``w_1 ... w_t`` sum to
-    one from the first step on (``w̄_1 = w_1``). Started at the first
-    weights instead (``w̄_1 = w_1``, then ``α = 1 - d``), the average would
-    keep the weight ``d^{t-1}`` on ``w_1``: 0.37 after 1,000 steps at
-    ``d = 0.999``, an average of early, poor weights for as long as the
-    average's time scale ``1 / (1 - d)``. Ba et al. (§6) state neither
-    their decay nor their start.
-
-    ``t`` counts the steps since the array was first seen: a lazily
-    initialised parameter whose first forward pass comes after some steps
-    gets an average of its own iterates only (started at zero, it would
-    have been pulled towards zero by the steps before).
-
-    Averages are kept in float32 or wider (float16 weights too: a step of
-    ``α (w - w̄)`` with ``α`` 0.01 would mostly round away in float16).
+    ``z_0 = 0`` (Adam's correction, Kingma & Ba 2015 §3): the weights of
+    the iterates ``w_1 ... w_t`` sum to one from the first step on, so
+    early weights do not linger as they would in an average started at
+    ``w_1`` (Ba et al. §6 state neither their decay nor their start).
+    ``t`` counts the steps since the array was first seen (a lazily
+    initialised parameter averages its own iterates only). Averages are
+    kept in float32 or wider: a step ``α (w - w̄)`` would mostly round away
+    in float16.
 
     As a trainer extension it folds in the weights after every iteration,
     before the evaluators run (its priority is above
@@ -55,14 +47,11 @@ class PolyakAveraging(extension.Extension):
     and the step count (:meth:`serialize`). In a manual loop, call
     :meth:`update` after each optimizer step.
 
-    Under ``mpiexec`` the parameters are the same on every rank after each
-    step, but ChainerMN's optimizer leaves each rank its own BatchNorm
-    statistics (chainerkfac's multi-node optimizer averages them every
-    step). With ``comm``, the averaged BatchNorm statistics are averaged
-    over the ranks after each fold, in one allreduce of ``2 Σ C`` numbers
-    (``C`` channels per BatchNorm link): every rank then holds the same
-    average, and since the fold is linear, the same average as one of the
-    rank-averaged statistics. Every rank must then call :meth:`update`.
+    Under ``mpiexec``, ChainerMN's optimizer leaves each rank its own
+    BatchNorm statistics (chainerkfac's averages them every step); with
+    ``comm`` the averaged statistics are averaged over the ranks after each
+    fold, one allreduce (the fold is linear: the average of the
+    rank-averaged statistics). Every rank must then call :meth:`update`.
 
     Args:
         target (chainer.Link): The model whose parameters are averaged.

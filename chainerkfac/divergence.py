@@ -1,8 +1,7 @@
 """Divergence that stays finite, and a bound that stalls training: noticed,
 named, and told apart.
 
-A run at too large a learning rate can stay finite for hundreds of steps
-while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
+A loss can grow for hundreds of steps without a NaN.
 :class:`DivergenceMonitor` watches, once per step:
 
 * the training loss (when :meth:`KFAC.update
@@ -13,17 +12,13 @@ while its loss goes 2.3, 2.7, 232, 5e3, ... 8e6, which no NaN check sees.
 * the bound on the step's KL change (:mod:`chainerkfac.step_rule`): a
   scale ``ν`` below :data:`HARD_SCALE` on :data:`PATIENCE` consecutive
   steps means the bound, not the learning rate, sets every step, a
-  thousand times shorter than asked. That is not a divergence: where the
-  loss has not fallen below :data:`STALLED` times its first value the run
-  stalls (a deep plain CNN under the natural step and the bound of 1e-4
-  stayed at its first loss for hundreds of steps), and the
-  :class:`StallWarning` says what helps: a larger ``kl_clip``. Lowering the
-  learning rate or ``kl_clip`` would only shorten the steps further.
+  thousand times shorter than asked; where the loss has not fallen below
+  :data:`STALLED` times its first value the run stalls, and the
+  :class:`StallWarning` says what helps: a larger ``kl_clip``.
 
-Each kind of warning is given once. The monitor's state (the first and
-last losses, the hard clips in a row, the warnings given) is part of the
-optimizer's snapshot, so that a resumed run compares its losses with the
-same first loss as the uninterrupted one.
+Each kind of warning is given once. The monitor's state is part of the
+optimizer's snapshot: a resumed run compares its losses with the same
+first loss as the uninterrupted one.
 """
 import math
 import warnings

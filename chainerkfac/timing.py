@@ -28,12 +28,10 @@ for ``statistics_forward`` only, a collective inside a refresh for
                            rule, hooks
 
 Without a timer (``stage_timer = None``, the default) a stage costs one
-reused null context. In one process ``calls['inversion']`` counts the
-steps that rebuilt an inverse and ``calls['statistics_fold']`` those that
-folded statistics; under MPI with split blocks the exchange of their parts
-is timed as ``inversion`` on every step, and a shared factorization's
-waits for its panels count there too. The distributed stages give the
-communicator the optimizer's timer at every step.
+reused null context. ``calls['inversion']`` counts the steps that rebuilt
+an inverse (under MPI with split blocks, every step: the exchange of
+their parts is timed there) and ``calls['statistics_fold']`` those that
+folded statistics.
 """
 import collections
 import contextlib

@@ -37,13 +37,11 @@ def create_communicator(communicator_name='naive', mpi_comm=None,
         transport_dtype: ``None`` sends arrays in their own dtype. A
             narrower float dtype (``numpy.float16``) halves the traffic of
             :meth:`~KfacCommunicatorMixin.reduce_scatter_v` and
-            :meth:`~KfacCommunicatorMixin.all_gather_v` (this library's own
-            addition: the paper's §3.4 computes factors in half precision
-            and sends their upper triangles, not half-precision data); each
-            tensor is scaled by a power of two so that its largest value,
-            times the number of summands, stays within half the dtype's
-            range.
-            Off by default: float16 keeps about 3 significant digits.
+            :meth:`~KfacCommunicatorMixin.all_gather_v` (not in the paper);
+            each tensor is scaled by a power of two so that its largest
+            value, times the number of summands, stays within half the
+            dtype's range. Off by default: float16 keeps about 3
+            significant digits.
         allreduce_grad_dtype: ``'pure_nccl'`` only, as in ChainerMN: the
             dtype of ``multi_node_mean_grad``'s transfers.
         abort_on_exception (bool): When there is more than one rank, install

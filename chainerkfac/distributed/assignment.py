@@ -4,38 +4,25 @@ In the model-parallel stages of distributed K-FAC (Osawa et al., CVPR 2019,
 §3.3, Fig. 1 stages 4-5) each block's factors are reduced onto one rank, its
 *owner*, which refreshes the inverses and preconditions the block's gradient
 before the all-gather-v returns the result to everyone. The iteration waits
-for the busiest owner, so blocks are balanced by their cost, not by their
-number: in ResNet-50 the largest Kronecker block costs 10^8 times as much as
-the smallest BatchNormalization block. The count-based split of the original
-implementation (consecutive equal-count chunks, network order) gives the
-ranks that hold the last stage most of the work: a max/mean load of 3.3 at
-4 ranks and 4.2 at 8, where longest-processing-time-first reaches 1.0 and
-1.47.
+for the busiest owner, so blocks are balanced by their cost
+(longest-processing-time first), not by their number: block costs span
+orders of magnitude (the placement's figures: ``docs/measurements.md``).
 
-Split blocks. With one owner per block the largest block is a floor: the
-res5 3x3 convolution of ResNet-50 is almost a fifth of the total, so 8 ranks
-cannot do better than 1.47 and 64 ranks than 11.7. When the assignment
-allows it (``shardable``), a Kronecker block's preconditioning is split
-over several ranks by rows or columns of ``G⁻¹ ∇W̄ A⁻¹``
-(:meth:`BlockCost.shard_costs`): the owner still refreshes the inverses
-and hands each other rank what its part needs; for inverses that serve few
-steps, the ranks of the block compute the larger factor's Cholesky factor
-together (:mod:`chainerkfac.distributed.cholesky`, for factors of
-:data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows or
-more), so that the factorization is no floor either. Every rank of the
-block receives its whole gradient. Blocks are split only until the load
-imbalance reaches ``max_imbalance``: each split moves a copy of the block's
-gradient more in the reduce-scatter.
+Split blocks. With one owner per block the largest block is a floor. When
+the assignment allows it (``shardable``), a Kronecker block's
+preconditioning is split over several ranks by rows or columns of ``G⁻¹
+∇W̄ A⁻¹`` (:meth:`BlockCost.shard_costs`): the owner still refreshes the
+inverses and hands each other rank what its part needs; for inverses that
+serve few steps, the ranks of the block compute the larger factor's
+Cholesky factor together (:mod:`chainerkfac.distributed.cholesky`, from
+:data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows).
+Blocks are split only until the load imbalance reaches ``max_imbalance``:
+each split moves a copy of the block's gradient more in the reduce-scatter.
 
 Everything here is a pure function of (blocks, costs, world size): every rank
-computes the same :class:`Assignment` without communicating.
-
-Surplus ranks. When ranks outnumber the blocks' parts, the surplus ranks own
-nothing and idle through stages 4-5 (their all-gather-v segment is empty).
-:attr:`Assignment.load_imbalance` counts them, so the waste is reported, not
-hidden. The paper computes such blocks redundantly on several ranks instead;
-that cannot shorten the iteration, which still waits for the costliest
-block.
+computes the same :class:`Assignment` without communicating. Ranks beyond
+the blocks' parts own nothing and idle through stages 4-5;
+:attr:`Assignment.load_imbalance` counts them.
 """
 import dataclasses
 import heapq

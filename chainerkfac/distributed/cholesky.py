@@ -5,13 +5,10 @@ damped factor ``M`` (``A_d`` or ``G_d``, ``d x d``) as a Cholesky factor
 ``L`` (:meth:`BlockCost.shard_costs
 <chainerkfac.curvature.cost.BlockCost.shard_costs>`); from
 :data:`~chainerkfac.curvature.cost.SHARED_FACTORIZATION_MIN_DIM` rows on,
-its ranks compute ``L`` together. Computed by the owner
-alone, that ``d³/3`` is the one piece of work no split of the
-preconditioning shrinks: for ResNet-50's res5 3x3 convolutions (``d =
-4608``), refreshed every step, it alone held 8 ranks to a load imbalance of
-1.47 and 64 ranks to 11.7. Here the ``k`` ranks of the block factor ``M``
-together, right-looking and by column panels, dealt out round-robin
-(``panel p`` to ``ranks[p % k]``)::
+its ranks compute ``L`` together: computed by the owner alone, that
+``d³/3`` is the one piece of work no split of the preconditioning
+shrinks. The ``k`` ranks of the block factor ``M`` right-looking, by
+column panels dealt out round-robin (``panel p`` to ``ranks[p % k]``)::
 
     for each panel p (columns j):
         its rank:   L_jj = chol(M_jj),  L_rj = M_rj L_jj⁻ᵀ
@@ -25,9 +22,8 @@ the panels' own factorizations overlap the other ranks' updates instead of
 holding them up.
 
 The trailing updates, all but ``O(d² b)`` of the ``d³/3`` operations, are
-matrix products spread evenly over the ranks (:data:`PANELS_PER_RANK`),
-and every rank ends with the whole ``L``, which its part of the
-preconditioning needs anyway: the panels it received are ``L``. A panel
+matrix products spread evenly over the ranks (:data:`PANELS_PER_RANK`);
+every rank ends with the whole ``L``, which its part needs. A panel
 that is not positive definite (damping 0, round-off) is sent as NaN, so
 every rank of the block stops at the same panel; the owner then factors the
 damped factor alone as an unsplit block does (jitter, then eigenvalues,

@@ -1,39 +1,26 @@
 """Communicators for distributed K-FAC.
 
 A K-FAC communicator is a ChainerMN communicator (``bcast_data``,
-``multi_node_mean_grad``, ``bcast_obj``, ``allreduce_obj``, ... work as in
-ChainerMN) with the collectives of the hybrid data/model-parallel scheme of
-Osawa et al. (CVPR 2019, §3.3, Fig. 1):
+``multi_node_mean_grad``, ``bcast_obj``, ... work as in ChainerMN) with the
+collectives of the hybrid data/model-parallel scheme of Osawa et al. (CVPR
+2019, §3.3, Fig. 1): :meth:`~KfacCommunicatorMixin.reduce_scatter_v`
+(stage 3: every rank's gradients and factors summed onto each block's
+owner), :meth:`~KfacCommunicatorMixin.all_gather_v` (stage 6: the owners'
+preconditioned gradients to every rank), :meth:`~KfacCommunicatorMixin.
+alltoall_v` and :meth:`~KfacCommunicatorMixin.group_bcast` (stages 4-5:
+what the parts of a split block need, and their shared factorization,
+:mod:`chainerkfac.distributed.cholesky`),
+:meth:`~KfacCommunicatorMixin.allreduce_mean` and
+:meth:`~KfacCommunicatorMixin.bcast_array` for the rest, and
+:meth:`~KfacCommunicatorMixin.arrive`, every rank's small value within a
+deadline after which the ranks that did not send theirs are named
+(:mod:`chainerkfac.distributed.arrival`).
 
-* :meth:`~KfacCommunicatorMixin.reduce_scatter_v` (stage 3): the Kronecker
-  factors computed by every rank on its own mini-batch are summed, and each
-  block lands on the rank that owns it (data parallel -> model parallel);
-* :meth:`~KfacCommunicatorMixin.all_gather_v` (stage 6): every owner's
-  preconditioned gradients reach every rank (model parallel -> data
-  parallel);
-* :meth:`~KfacCommunicatorMixin.alltoall_v` (between stages 4 and 5):
-  the owner of a block whose preconditioning is split over ranks hands
-  each of them what its part needs (slices of the inverses, a Cholesky
-  factor);
-* :meth:`~KfacCommunicatorMixin.group_bcast` (stage 4): the ranks of a
-  split block factor its larger Kronecker factor together, one column panel
-  after another (:mod:`chainerkfac.distributed.cholesky`);
-* :meth:`~KfacCommunicatorMixin.allreduce_mean` and
-  :meth:`~KfacCommunicatorMixin.bcast_array` for the rest;
-* :meth:`~KfacCommunicatorMixin.arrive`: every rank's small value, with a
-  deadline after which the ranks that did not send theirs are named
-  (:mod:`chainerkfac.distributed.arrival`) instead of waited for.
-
-Together the two ``v`` collectives move what one allreduce moves (a
-reduce-scatter and an all-gather), so K-FAC communicates about as much as
-SGD: the real ``MPI_Reduce_scatter`` / ``MPI_Allgatherv`` (``'naive'``,
-NumPy buffers) or grouped NCCL reduces / broadcasts (``'pure_nccl'``).
-
-This module holds what every implementation shares; it imports neither MPI
-nor CuPy. :func:`chainerkfac.distributed.create_communicator` (in the
-package's ``__init__``, as ChainerMN keeps its factory) imports the
-implementation it is asked for, so ``import chainerkfac.distributed`` works
-on a machine with neither.
+The two ``v`` collectives together move what one allreduce moves, so
+K-FAC communicates about as much as SGD. This module holds what every
+implementation shares and imports neither MPI nor CuPy;
+:func:`chainerkfac.distributed.create_communicator` imports the
+implementation it is asked for.
 """
 import abc
 import functools
