@@ -100,23 +100,34 @@ class Layout:
         carried (those the owner refreshed)."""
         return [f for f, _, _ in self.statistics.get(i, [])]
 
-    def pack_gather(self, blocks, mine, part_results):
-        """The all-gather's pieces of this rank's parts ``mine`` (``(block,
-        part)`` pairs, in order): a split block's part of ``V`` from
-        ``part_results``, an unsplit block's whole ``V``, and after each
-        owner's part the intervals of its refreshed factors."""
-        parts = []
+    def pack_gather(self, blocks, mine, part_results, terms, extra, dtype):
+        """The all-gather's send buffer, one ``dtype`` array of the
+        gradients' module: for each of this rank's parts ``mine`` (``(block,
+        part)`` pairs, in order) a split block's part of ``V`` from
+        ``part_results`` or an unsplit block's whole ``V``, after each
+        owner's part the intervals of its refreshed factors; then the rows
+        ``terms``, then the numbers ``extra``. What lives on the host (the
+        intervals, ``extra``) reaches the device in one transfer."""
+        xp = backend.get_array_module(terms)
+        pieces, host, places = [], [], []
         for i, s in mine:
             block = blocks[i]
             piece = part_results.get(i) if i in self.splits else \
                 block.gradient()
             if piece is not None:
-                parts.append(piece.ravel())
+                pieces.append(piece.ravel().astype(dtype, copy=False))
             if s == 0:
-                parts.append(numpy.asarray(
-                    [block.schedules[f].interval or 0
-                     for f in self.refreshed_factors(i)]))
-        return parts
+                intervals = [block.schedules[f].interval or 0
+                             for f in self.refreshed_factors(i)]
+                places.append((len(pieces), len(host), len(intervals)))
+                pieces.append(None)
+                host += intervals
+        host = xp.asarray(numpy.asarray(host + list(extra)), dtype=dtype)
+        for at, start, n in places:
+            pieces[at] = host[start:start + n]
+        pieces += [terms.ravel().astype(dtype, copy=False),
+                   host[len(host) - len(extra):]]
+        return xp.concatenate(pieces)
 
     def unpack_gather(self, blocks, everything, places, step, dtype, keep):
         """Writes each part's piece of ``V`` from the all-gather's buffer

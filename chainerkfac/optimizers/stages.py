@@ -343,21 +343,18 @@ class Stages:
         layout = self._layout
         places, groups, slots, by_rank = layout.gather(step_rule.N_TERMS, 2)
         mine = sorted(self.split.parts.items())
-        parts = layout.pack_gather(blocks, mine, self._part_results)
         grad0 = next(p.grad for block in blocks for p in block.params()
                      if p.grad is not None)
         xp = backend.get_array_module(grad0)
         # The preconditioned gradients and the step's terms of a float16
         # model are float32, as computed (a transport_dtype narrows them).
         dtype = linalg.working_dtype(grad0.dtype)
-        parts.append(xp.asarray(terms[[i for i, _ in mine]],
-                                dtype=dtype).ravel())
-        parts.append(xp.asarray([samples, consistency.options_digest(
-            optimizer)]))
-        parts = [xp.asarray(p, dtype=dtype) for p in parts]
+        sendbuf = layout.pack_gather(
+            blocks, mine, self._part_results,
+            xp.asarray(terms[[i for i, _ in mine]]),
+            [samples, consistency.options_digest(optimizer)], dtype)
         counts = numpy.diff([0] + [int(sl[-1]) + 1 for sl in slots]).tolist()
-        everything = self.comm.all_gather_v(xp.concatenate(parts), counts,
-                                            groups)
+        everything = self.comm.all_gather_v(sendbuf, counts, groups)
         chainer.report({'kfac/bytes/' + name: value for name, value
                         in self.comm.reset_bytes_moved().items()})
         values = backend.CpuDevice().send(
