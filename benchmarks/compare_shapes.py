@@ -18,19 +18,12 @@ learning rates its option gives, typically MomentumSGD's best, with the
 same seeds.
 
 ``--reference LRS`` adds K-FAC tuned by hand (``kfac_reference``: the
-natural step, damping 1e-3, factors every step, no bound); each of its
-epochs records ``kl_graft_equivalent_lr``, the base learning rate at which
-the step rule ``kl_graft`` would scale its natural step to the length it
-took (median, 10th and 90th percentiles over the epoch: ``UnitsProbe``).
+natural step, damping 1e-3, factors every step, no bound).
 
-``--kl-step LRS`` adds a step of fixed KL change (``kfac_kl_step``:
-``KFAC(lr, momentum, damping=1e-3, factor_interval=1, kl_clip=5e-4)``, the
-bound ``5e-4 · B / 64`` following the schedule's square): at MomentumSGD's
-learning rates the bound sets the step, the natural direction scaled to
-the KL change the reference's steps nearly have. ``--kl-step-adaptive
-LRS`` adds the same with the default adaptive intervals
-(``kfac_kl_step_adaptive``: the defaults, ``KFAC(lr, momentum)``, the
-one-line swap), ``--swap-before LRS`` the defaults before ``kl_graft``'s
+``--kl-step-adaptive LRS`` adds the defaults (``kfac_kl_step_adaptive``:
+``KFAC(lr, momentum)``, the one-line swap; the bound ``5e-4 · B / 64``
+following the schedule's square sets the step at MomentumSGD's learning
+rates), ``--swap-before LRS`` the defaults before ``kl_graft``'s
 KL change grew like the batch (``kfac_swap_before``); ``--kl-run LRS`` the
 defaults with the KL change per step that the run's length ``T`` sets,
 ``KL_BUDGET / T`` at every batch (``kfac_kl_run``).
@@ -98,12 +91,7 @@ OPTIMIZERS = {
     # factors every step, no bound.
     'kfac_reference': {'factor_interval': 1, 'step_rule': 'natural',
                        'damping': 1e-3},
-    # A step of fixed KL change: kl_graft's direction with the
-    # reference's damping and factors, the bound growing like B and
-    # following the schedule, binding on most steps.
-    'kfac_kl_step': {'damping': 1e-3, 'factor_interval': 1,
-                     'step_rule': 'kl_graft'},
-    # The same with the default adaptive intervals: the defaults.
+    # The defaults.
     'kfac_kl_step_adaptive': _KL_STEP_ADAPTIVE,
     # The defaults with the natural rule: the natural direction at the
     # bound's KL change wherever the natural step at lr is longer.
@@ -130,11 +118,11 @@ OPTIMIZERS = {
 ROWS = tuple(OPTIMIZERS)
 #: A row's colour in the plot (every row has one: a run must not end in a
 #: KeyError after its training).
-COLOURS = dict(zip(ROWS, ('tab:blue', 'navy', 'darkgoldenrod', 'olive',
-                          'purple', 'grey', 'teal', 'darkred', 'salmon')))
+COLOURS = dict(zip(ROWS, ('tab:blue', 'navy', 'olive', 'purple', 'grey',
+                          'teal', 'darkred', 'salmon')))
 assert len(COLOURS) == len(ROWS)
-#: ``kfac_kl_step``'s bound at batch 64: the reference's KL estimate at
-#: the schedule's peak was about 0.002 at batch 256 (``UnitsProbe``'s runs).
+#: The defaults' bound at batch 64: the reference's KL estimate at the
+#: schedule's peak was about 0.002 at batch 256.
 KL_STEP_CLIP = 5e-4
 
 
@@ -156,12 +144,12 @@ def guard_options(name, kl_clip, batch, steps=None):
 KL_BUDGET = 3.1
 
 
-def kl_step_options(batch, name='kfac_kl_step', steps=None):
-    """The K-FAC options of row ``name`` (``kfac_kl_step``,
-    ``kfac_kl_step_adaptive`` or ``kfac_kl_run``, whose bound needs the
-    run's ``steps``; ``kfac_swap_before``, whose rule is a class: each call
-    gets an instance of its own) at global batch ``batch``, for the other
-    benchmarks that measure the same rows."""
+def kl_step_options(batch, name='kfac_kl_step_adaptive', steps=None):
+    """The K-FAC options of row ``name`` (``kfac_kl_step_adaptive``;
+    ``kfac_kl_run``, whose bound needs the run's ``steps``;
+    ``kfac_swap_before``, whose rule is a class: each call gets an instance
+    of its own) at global batch ``batch``, for the other benchmarks that
+    measure the same rows."""
     if name == 'kfac_kl_run' and steps is None:
         raise ValueError('kfac_kl_run\'s bound needs the run\'s steps')
     budget = KL_BUDGET if name == 'kfac_kl_run' else KL_STEP_CLIP
@@ -173,22 +161,6 @@ def kl_step_options(batch, name='kfac_kl_step', steps=None):
 
 
 _DATA = {}
-
-
-class UnitsProbe(chainerkfac.step_rule.Natural):
-    """The natural step (``kfac_reference``'s), recording at every step
-    the scale ``ρ`` the rule ``kl_graft`` would take: the run's
-    step ``η V`` is the default's ``η' ρ V`` at ``η' = η / ρ``, so
-    ``base_lr / ρ`` is the base learning rate, in MomentumSGD's units, at
-    which the one-line swap would take the reference's step."""
-
-    def __init__(self):
-        self.kl_graft_scales = []
-
-    def scales(self, sums, batch=None):
-        self.kl_graft_scales.append(float(
-            chainerkfac.step_rule.KLGraft().scales(sums, batch)[0]))
-        return super().scales(sums, batch)
 
 
 def schedule_factor(iteration, total, warmup):
@@ -242,9 +214,6 @@ def train(spec, decays=(), schedule=None, options=None):
         options = OPTIMIZERS[name]
     if options is not None and callable(options.get('step_rule')):
         options = dict(options, step_rule=options['step_rule']())
-    probe = UnitsProbe() if name == 'kfac_reference' else None
-    if probe:
-        options = dict(options, step_rule=probe)
     if options is None:
         optimizer = chainer.optimizers.MomentumSGD(lr=lr, momentum=0.9)
     else:
@@ -302,13 +271,6 @@ def train(spec, decays=(), schedule=None, options=None):
             curve[-1]['guard'] = {
                 'bound_steps': sum(v < 1 for v in scales) / len(scales),
                 'median_update_scale': float(numpy.median(scales))}
-        if probe and probe.kl_graft_scales:
-            # Per epoch: the swap's base lr that takes the reference's step
-            # (median, 10th and 90th percentiles over the epoch's steps).
-            equivalent = base_lr / numpy.array(probe.kl_graft_scales)
-            curve[-1]['kl_graft_equivalent_lr'] = numpy.percentile(
-                equivalent, [50, 10, 90]).tolist()
-            probe.kl_graft_scales = []
         if chosen:
             curve[-1]['quadratic_model'] = dict(zip(
                 ('median_alpha', 'median_mu', 'median_damping'),
@@ -542,14 +504,9 @@ def main(argv=None):
     parser.add_argument('--reference', default=None,
                         help='base lrs of the natural step, damping 1e-3, '
                         'factors every step, no bound (kfac_reference)')
-    parser.add_argument('--kl-step', default=None,
-                        help='base lrs of the step of fixed KL change '
-                        '(kfac_kl_step: damping 1e-3, factors every step, '
-                        'kl_clip 5e-4 at batch 64 grown like B)')
     parser.add_argument('--kl-step-adaptive', default=None,
-                        help='base lrs of the same with the default '
-                        'adaptive intervals (kfac_kl_step_adaptive: the '
-                        'defaults)')
+                        help='base lrs of the defaults '
+                        '(kfac_kl_step_adaptive)')
     parser.add_argument('--swap-before', default=None,
                         help='base lrs of the defaults before kl_graft\'s '
                         'KL change grew like the batch (kfac_swap_before)')
@@ -590,7 +547,6 @@ def main(argv=None):
                                'kfac_quadratic_model_floor')]
     for name, lrs, bound in (
             ('kfac_reference', args.reference, None),
-            ('kfac_kl_step', args.kl_step, KL_STEP_CLIP),
             ('kfac_kl_step_adaptive', args.kl_step_adaptive, KL_STEP_CLIP),
             ('kfac_swap_before', args.swap_before, KL_STEP_CLIP),
             ('kfac_kl_run', args.kl_run, KL_BUDGET)):

@@ -28,12 +28,12 @@ BatchNorm, 16-32 at 24x24, 64-64 at 12x12, 128-256 at 6x6, ``fc1`` on its
 9,216 inputs, ``fc2``) on the shapes task (``--n-train`` images, 10
 epochs) under compare_shapes.py's recipe at batch 256: MomentumSGD over
 ``--lrs-sgd``, and K-FAC with ``doubly_factored_from=8192`` (fc1's ``Ψ``
-256 x 256 and ``K`` 36 x 36 in place of a 9,217 x 9,217 ``A``) under
-compare_shapes.py's step of fixed KL change with factors every step
-(``kfac_doubly_kl_step``), the default intervals
-(``kfac_doubly_kl_step_adaptive``) and the KL change per step that the
-run's length sets (``kfac_doubly_kl_run``), at ``--lrs-kfac``. Runs are
-kept in ``results/doubly_factored.json`` as they end, not repeated.
+256 x 256 and ``K`` 36 x 36 in place of a 9,217 x 9,217 ``A``) at the
+defaults (``kfac_doubly_kl_step_adaptive``), the defaults before
+``kl_graft``'s KL change grew like the batch (``kfac_doubly_swap_before``)
+and the KL change per step that the run's length sets
+(``kfac_doubly_kl_run``), at ``--lrs-kfac``. Runs are kept in
+``results/doubly_factored.json`` as they end, not repeated.
 """
 import argparse
 import multiprocessing
@@ -58,12 +58,8 @@ OUT = 'doubly_factored.json'
 WIDTH = 8192
 #: name -> K-FAC options (None: MomentumSGD).
 OPTIMIZERS = {'sgd': None,
-              # compare_shapes' step of fixed KL change (a function of the
-              # batch and the run's steps: the bound grows like the batch).
-              'kfac_doubly_kl_step': lambda batch, steps: dict(
-                  compare_shapes.kl_step_options(batch),
-                  doubly_factored_from=WIDTH),
-              # The same with the default adaptive factor intervals.
+              # The defaults (a function of the batch and the run's steps:
+              # the bound grows like the batch).
               'kfac_doubly_kl_step_adaptive': lambda batch, steps: dict(
                   compare_shapes.kl_step_options(batch,
                                                  'kfac_kl_step_adaptive'),

@@ -31,7 +31,6 @@ import harness
 OPTIMIZERS = {
     'momentum_sgd': None,
     'kfac': {},
-    'kfac_natural_kl1e-4': {'step_rule': 'natural', 'kl_clip': 1e-4},
 }
 
 
@@ -64,7 +63,7 @@ def main():
     harness.add_name_option(parser, 'lr_response')
     parser.add_argument('--variants', default=None,
                         help='K-FAC variants as JSON {name: options} '
-                        'instead of the default and the natural step')
+                        'instead of the defaults')
     args = parser.parse_args()
     harness.limit_threads(1)
     optimizers = dict(OPTIMIZERS)

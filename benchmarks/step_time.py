@@ -75,11 +75,6 @@ CONFIGS = {
     'kfac_1': ('K-FAC, refresh every step', _kfac(), None),
     'kfac_10_100': ('K-FAC, factors every 10, inverses every 100',
                     _kfac(factor_interval=10, inverse_interval=100), None),
-    'kfac_10_100_natural': (
-        'K-FAC, factors every 10, inverses every 100, the natural step '
-        'under the guard (the default before grafting)',
-        _kfac(factor_interval=10, inverse_interval=100, step_rule='natural',
-              kl_clip=1e-4), None),
     'kfac_adaptive_delay3': (
         'K-FAC, Adaptive() factors, inverses when changed, built in the '
         'background and used 3 steps later (inverse_delay=3)',

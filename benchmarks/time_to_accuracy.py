@@ -148,21 +148,10 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
-              # The defaults with the damping 1e-2 · 64 / 512: one falling
-              # like 1 / B from batch 64, at batch 512.
-              'kfac_adaptive_d1.25e-3': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'damping': 1.25e-3},
               # K-FAC tuned by hand (at --kfac-intervals 1,1: factors every
-              # step): the natural step, no bound, damping 1e-3 or 1e-2;
-              # kl_graft without the bound.
+              # step): the natural step, no bound, damping 1e-3.
               'kfac_reference': {'step_rule': 'natural', 'damping': 1e-3,
                                  'kl_clip': None},
-              'kfac_reference_d1e-2': {'step_rule': 'natural',
-                                       'damping': 1e-2, 'kl_clip': None},
-              'kfac_kl_graft_no_guard_d1e-3': {'damping': 1e-3,
-                                               'kl_clip': None,
-                                               'step_rule': 'kl_graft'},
               # The step length, momentum and damping from the loss's
               # quadratic model (kfac-jax's adaptive mode): the learning
               # rate is not used, no bound; the damping starts at 1e-2 (the
@@ -171,11 +160,7 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1, 'step_rule': 'adaptive',
                   'damping': 1e-2, 'kl_clip': None},
-              # compare_shapes' step of fixed KL change: damping 1e-3,
-              # factors every step, the bound 5e-4 · B / 64 following the
-              # schedule.
-              'kfac_kl_step': compare_shapes.kl_step_options,
-              # The same with the defaults' adaptive factor intervals.
+              # The defaults.
               'kfac_adaptive_kl_step': lambda batch:
                   compare_shapes.kl_step_options(batch,
                                                  'kfac_kl_step_adaptive'),
