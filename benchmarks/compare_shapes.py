@@ -1,8 +1,7 @@
 """K-FAC against a tuned large-batch MomentumSGD on a harder image task.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py \\
-        --batches 1024 --kl-step-adaptive 0.4 --jobs 2
-                        # MomentumSGD's grid and the swap, both cores
+        --batches 1024 --kl-step-adaptive 0.4 --jobs 2  # grid and swap
     PYTHONPATH=. .venv/bin/python benchmarks/compare_shapes.py --report
 
 The task is :mod:`shapes` (20,000 training and 5,000 validation colour
@@ -17,34 +16,28 @@ MomentumSGD runs a grid of base learning rates (``--lrs-sgd``) times
 learning rates its option gives, typically MomentumSGD's best, with the
 same seeds.
 
-``--reference LRS`` adds K-FAC tuned by hand (``kfac_reference``: the
-natural step, damping 1e-3, factors every step, no bound).
-
-``--kl-step-adaptive LRS`` adds the defaults (``kfac_kl_step_adaptive``:
-``KFAC(lr, momentum)``, the one-line swap; the bound ``5e-4 · B / 64``
-following the schedule's square sets the step at MomentumSGD's learning
-rates), ``--swap-before LRS`` the defaults before ``kl_graft``'s
-KL change grew like the batch (``kfac_swap_before``); ``--kl-run LRS`` the
-defaults with the KL change per step that the run's length ``T`` sets,
-``KL_BUDGET / T`` at every batch (``kfac_kl_run``).
-
-``--quadratic-model`` adds K-FAC whose step length, momentum and damping
-come from the loss's quadratic model at every step
-(``kfac_quadratic_model``: ``step_rule='adaptive'``, its damping from
-1e-2; Martens & Grosse 2015 §6-7, kfac-jax's adaptive mode); it takes no
-learning rate (the schedule is applied and ignored) and no bound.
-``kfac_quadratic_model_floor`` is the same with the damping kept at 1e-3
-or more. A run that blows up (``NonFiniteError``) ends at that epoch.
+Rows at ``LRS``: ``--reference`` K-FAC tuned by hand (``kfac_reference``:
+the natural step, damping 1e-3, factors every step, no bound);
+``--kl-step-adaptive`` the defaults (``kfac_kl_step_adaptive``, the
+one-line swap ``KFAC(lr, momentum)``: the bound ``5e-4 · B / 64``, following
+the schedule's square, sets the step at MomentumSGD's learning rates);
+``--swap-before`` the defaults before ``kl_graft``'s KL change grew like
+the batch (``kfac_swap_before``); ``--kl-run`` the defaults at the KL change
+per step ``KL_BUDGET / T`` of a run of ``T`` steps (``kfac_kl_run``).
+``--quadratic-model`` adds ``step_rule='adaptive'`` (``kfac_quadratic_model``:
+step length, momentum and damping from the loss's quadratic model, Martens &
+Grosse 2015 §6-7; no learning rate, no bound; damping from 1e-2), and
+``kfac_quadratic_model_floor``, its damping kept at 1e-3 or more. A run that
+blows up (``NonFiniteError``) ends at that epoch.
 
 Each run is kept in ``results/compare_shapes.json`` as it ends, in its
-variant ``--name`` (``--out FILE``: in that file); a run already there is
-not repeated. ``--report`` (also at the end of every invocation) gives, per
-batch, MomentumSGD's best final accuracy (mean over seeds) and the target
-it sets (that less 0.5 point), and for each optimizer at its best learning
-rate the median epochs and seconds to the target, its final accuracy and
-validation loss; the curves go to ``results/compare_shapes[_<name>].png``.
-Runs of rows this script no longer has stay in the results, out of the
-report.
+variant ``--name`` (``--out FILE``: in that file), and not repeated (runs of
+rows no longer here stay, out of the report). ``--report`` (also at the end
+of every invocation) gives, per batch, MomentumSGD's best final accuracy
+(mean over seeds) and the target it sets (that less 0.5 point), and for
+each optimizer at its best learning rate the median epochs and seconds to
+the target, its final accuracy and validation loss; the curves go to
+``results/compare_shapes[_<name>].png``.
 """
 import argparse
 import functools
