@@ -22,11 +22,15 @@ class Layout:
         assignment: The :class:`~chainerkfac.distributed.Assignment`.
         splits: ``{block: Split}`` of the split blocks
             (:class:`~chainerkfac.distributed.split.Split`).
+        moves_gradients: Whether the buffers carry the gradients; with one
+            rank they stay in the parameters, where the identity
+            collectives would put them back.
     """
 
-    def __init__(self, assignment, splits):
+    def __init__(self, assignment, splits, moves_gradients=True):
         self.assignment = assignment
         self.splits = splits
+        self.moves_gradients = moves_gradients
         #: The shapes of the blocks' gradients, set at every reduce.
         self.shapes = None
         #: ``{(block, part): [(factor, shape, size)]}``: the statistics
@@ -35,7 +39,9 @@ class Layout:
 
     def part_size(self, i, s):
         """Elements of part ``s`` of block ``i``'s preconditioned
-        gradient."""
+        gradient that the buffers carry."""
+        if not self.moves_gradients:
+            return 0
         size = int(numpy.prod(self.shapes[i]))
         if i not in self.splits:
             return size
@@ -47,8 +53,9 @@ class Layout:
     def pack_reduce(self, blocks, grads):
         """The reduce-scatter's send buffer as a list of flat arrays, and
         the elements per ``(block, part)``. Takes the blocks' pending
-        statistics."""
-        self.shapes = [grad.shape for grad in grads]
+        statistics. ``grads`` is ``None`` where the buffers carry no
+        gradients."""
+        self.shapes = grads and [grad.shape for grad in grads]
         parts, sizes, self.statistics = [], {}, {}
         for i, s in self.assignment.buffer_order():
             flats = []
@@ -112,8 +119,8 @@ class Layout:
         pieces, host, places = [], [], []
         for i, s in mine:
             block = blocks[i]
-            piece = part_results.get(i) if i in self.splits else \
-                block.gradient()
+            piece = None if not self.part_size(i, s) else \
+                part_results.get(i) if i in self.splits else block.gradient()
             if piece is not None:
                 pieces.append(piece.ravel().astype(dtype, copy=False))
             if s == 0:

@@ -180,7 +180,8 @@ class Stages:
             blocks, self.comm.size, self.max_load_imbalance)
         self.split = split_module.SplitBlocks(self.comm, self.assignment,
                                               blocks, fractions)
-        self._layout = buffers.Layout(self.assignment, self.split.splits)
+        self._layout = buffers.Layout(self.assignment, self.split.splits,
+                                      moves_gradients=self.comm.size > 1)
         if self.comm.rank == 0 and self.comm.size > 1:
             logger.info('K-FAC blocks on %d ranks: load imbalance (max/mean) '
                         '%.2f, idle ranks %s, split blocks %s', self.comm.size,
@@ -206,7 +207,8 @@ class Stages:
         self._average_replicated()
         if not blocks:
             return {}
-        grads = [block.gradient() for block in blocks]
+        grads = [block.gradient() for block in blocks] \
+            if self._layout.moves_gradients else None
         # Timed as statistics on steps that carry some (stale steps pack
         # gradients only, which is the all-gather's counterpart).
         folding = optimizer.timing('statistics_fold') if any(
@@ -214,7 +216,9 @@ class Stages:
             contextlib.nullcontext()
         with folding:
             parts, sizes = self._layout.pack_reduce(blocks, grads)
-        xp = backend.get_array_module(grads[0])
+        if not parts:  # one process, a stale step: nothing to sum
+            return {}
+        xp = backend.get_array_module(parts[0])
         # One transport scale per gradient and per factor.
         groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
         mine = self.comm.reduce_scatter_v(
