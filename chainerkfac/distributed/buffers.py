@@ -53,9 +53,8 @@ class Layout:
     def pack_reduce(self, blocks, grads):
         """The reduce-scatter's send buffer as a list of flat arrays, and
         the elements per ``(block, part)``. Takes the blocks' pending
-        statistics. ``grads`` is ``None`` where the buffers carry no
-        gradients."""
-        self.shapes = grads and [grad.shape for grad in grads]
+        statistics."""
+        self.shapes = [grad.shape for grad in grads]
         parts, sizes, self.statistics = [], {}, {}
         for i, s in self.assignment.buffer_order():
             flats = []
@@ -72,6 +71,22 @@ class Layout:
             sizes[i, s] = sum(flat.size for flat in flats)
             parts += flats
         return parts, sizes
+
+    def hold_statistics(self, blocks):
+        """Stage 3 on one rank, which sums nothing: ``{block: {factor:
+        batch mean}}`` of the blocks' pending statistics where they are,
+        each symmetric factor as the reduce would carry it (its upper
+        triangle, mirrored)."""
+        self.statistics, held = {}, {}
+        for i, block in enumerate(blocks):
+            stats = block.take_statistics(block.gradient_loss_scale())
+            stats = {f: _mirror_upper(stats[f]) for f in block.factors
+                     if f in stats}
+            self.statistics[i] = [(f, stats[f].shape, stats[f].size)
+                                  for f in stats]
+            if stats:
+                held[block] = stats
+        return held
 
     def unpack_reduce(self, blocks, mine, parts):
         """Writes the reduced gradients of this rank's ``parts``
@@ -216,6 +231,18 @@ def sum_terms(values, slots, by_rank, n_blocks, n_terms):
 
 def _pack(stat):
     return pack_symmetric(stat) if stat.ndim == 2 else stat.ravel()
+
+
+def _mirror_upper(stat):
+    """A square ``stat`` with its upper triangle mirrored into its lower
+    one, in place (:func:`pack_symmetric` then :func:`unpack_symmetric`)
+    where it is not symmetric already."""
+    xp = backend.get_array_module(stat)
+    if stat.ndim == 2 and not bool(xp.array_equal(stat, stat.T)):
+        mask = linalg.upper_mask(xp, stat.shape[0],
+                                 backend.get_device_from_array(stat))
+        stat.T[mask] = stat[mask]
+    return stat
 
 
 def average_replicated(comm, arrays):

@@ -207,18 +207,18 @@ class Stages:
         self._average_replicated()
         if not blocks:
             return {}
-        grads = [block.gradient() for block in blocks] \
-            if self._layout.moves_gradients else None
         # Timed as statistics on steps that carry some (stale steps pack
         # gradients only, which is the all-gather's counterpart).
         folding = optimizer.timing('statistics_fold') if any(
             b.has_pending_statistics() for b in blocks) else \
             contextlib.nullcontext()
+        if not self._layout.moves_gradients:  # one rank: nothing to sum
+            with folding:
+                return self._layout.hold_statistics(blocks)
+        grads = [block.gradient() for block in blocks]
         with folding:
             parts, sizes = self._layout.pack_reduce(blocks, grads)
-        if not parts:  # one process, a stale step: nothing to sum
-            return {}
-        xp = backend.get_array_module(parts[0])
+        xp = backend.get_array_module(grads[0])
         # One transport scale per gradient and per factor.
         groups = numpy.cumsum([0] + [flat.size for flat in parts[:-1]])
         mine = self.comm.reduce_scatter_v(
