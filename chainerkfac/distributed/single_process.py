@@ -3,8 +3,10 @@
 A K-FAC step in one process is the distributed step
 (:class:`chainerkfac.optimizers.stages.Stages`) over this communicator:
 one process owns every block, nothing is split, and what the
-collectives would sum or gather over one rank is what they were given.
-It needs neither MPI nor ChainerMN.
+collectives would sum or gather over one rank is what they were given
+(so the gradients and statistics do not enter the step's buffers:
+:class:`~chainerkfac.distributed.buffers.Layout`). It needs neither MPI
+nor ChainerMN.
 """
 import sys
 
