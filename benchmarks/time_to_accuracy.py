@@ -303,7 +303,7 @@ def main(argv=None):
                         help='instead of the task\'s target')
     parser.add_argument('--batches', default=None,
                         help='comma-separated batch sizes instead of the '
-                        'task\'s small and large batch')
+                        'task\'s')
     parser.add_argument('--threads', type=int, default=None)
     parser.add_argument('--lrs-sgd', default=None,
                         help='MomentumSGD\'s learning rates instead of the '

@@ -31,6 +31,20 @@ def test_unpack_of_a_sum_is_the_sum():
                                   rtol=1e-14)
 
 
+def test_one_rank_keeps_a_factor_as_the_reduce_would_carry_it():
+    # One rank sums nothing: its statistics stay in place, as packing and
+    # unpacking them would leave them (an asymmetric one mirrored).
+    rng = numpy.random.RandomState(1)
+    for M in (rng.randn(6, 6), (lambda X: X @ X.T)(rng.randn(6, 9))):
+        carried = buffers.unpack_symmetric(buffers.pack_symmetric(M), 6)
+        kept = M.copy()
+        assert buffers._mirror_upper(kept) is kept
+        numpy.testing.assert_array_equal(kept, carried)
+    vector = rng.randn(6)
+    numpy.testing.assert_array_equal(buffers._mirror_upper(vector.copy()),
+                                     vector)
+
+
 # The break-even reuse C (a³ + g³) / (3 a g (a + g)) is smallest, C/3, for a
 # square layer and grows with the imbalance of the two factors.
 def test_explicit_inverse_pays_after_the_break_even_reuse():
